@@ -1,0 +1,148 @@
+"""KV pool geometry and parallel layout, as plain data (no torch, no I/O).
+
+A :class:`KVLayout` says how one side (ctx or gen) of a transfer holds a model's KV cache:
+the model geometry (layers, KV heads, head_dim, tokens per block, dtype), the parallel
+layout (TP, PP, attention DP, an optional uneven PP ``layer_split``), the axis order of each
+rank's pool (C-contiguous) and the number of blocks in each rank's pool. It crosses the wire
+inside ``Expect``/``Publish`` and is the planner's input (``kvd.plan.KVLayout`` is this class).
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from protocol.errors import BadRequest
+
+#: Bytes per element of the dtypes kvd knows, keyed by torch dtype name.
+DTYPE_SIZES: dict[str, int] = {
+    "float64": 8,
+    "float32": 4,
+    "bfloat16": 2,
+    "float16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int8": 1,
+    "uint8": 1,
+}
+
+AXES = frozenset({"block", "layer", "kv", "head", "token", "dim"})
+#: TensorRT-LLM's V1 pool: block-major, one head's tokens contiguous.
+TRTLLM_AXIS_ORDER: tuple[str, ...] = ("block", "layer", "kv", "head", "token", "dim")
+#: vLLM's HND layout: layer-major.
+VLLM_AXIS_ORDER: tuple[str, ...] = ("layer", "kv", "block", "head", "token", "dim")
+
+
+class KVLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Model geometry + parallel layout + pool axis order of one side of a transfer."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    tokens_per_block: int
+    dtype: str
+    tp_size: int = 1
+    pp_size: int = 1
+    attention_dp: bool = False
+    layer_split: tuple[int, ...] | None = None
+    axis_order: tuple[str, ...] = TRTLLM_AXIS_ORDER
+    num_blocks: int = 0
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # -- validation ------------------------------------------------------------------------
+    def validate(self) -> None:
+        """Raise :class:`BadRequest` naming the first invalid field."""
+        for name in ("num_layers", "num_kv_heads", "head_dim", "tokens_per_block", "tp_size", "pp_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise BadRequest(f"KVLayout.{name} must be a positive integer, got {value!r}")
+        if self.num_blocks < 0:
+            raise BadRequest(f"KVLayout.num_blocks must be >= 0, got {self.num_blocks}")
+        if self.dtype not in DTYPE_SIZES:
+            raise BadRequest(f"KVLayout.dtype {self.dtype!r} is not one of {sorted(DTYPE_SIZES)}")
+        if sorted(self.axis_order) != sorted(AXES) or len(self.axis_order) != len(AXES):
+            raise BadRequest(
+                f"KVLayout.axis_order must be a permutation of {sorted(AXES)}, got {list(self.axis_order)}"
+            )
+        if self.axis_order[-1] != "dim":
+            raise BadRequest("KVLayout.axis_order must end with 'dim' (a head vector is contiguous)")
+        tp = self.tp_size
+        heads = self.num_kv_heads
+        if tp <= heads:
+            if heads % tp:
+                raise BadRequest(f"num_kv_heads={heads} is not divisible by tp_size={tp}")
+        elif tp % heads:
+            raise BadRequest(f"tp_size={tp} > num_kv_heads={heads} must be a multiple of it")
+        if self.layer_split is not None:
+            if len(self.layer_split) != self.pp_size:
+                raise BadRequest(
+                    f"layer_split has {len(self.layer_split)} entries, pp_size is {self.pp_size}"
+                )
+            if any(n < 1 for n in self.layer_split) or sum(self.layer_split) != self.num_layers:
+                raise BadRequest(
+                    f"layer_split {list(self.layer_split)} must be positive and sum to num_layers={self.num_layers}"
+                )
+        elif self.num_layers % self.pp_size:
+            raise BadRequest(
+                f"num_layers={self.num_layers} is not divisible by pp_size={self.pp_size}; give layer_split"
+            )
+
+    # -- derived geometry ------------------------------------------------------------------
+    @property
+    def itemsize(self) -> int:
+        """Bytes per element."""
+        return DTYPE_SIZES[self.dtype]
+
+    @property
+    def world_size(self) -> int:
+        """Number of ranks (pp_size * tp_size); rank = pp_rank * tp_size + tp_rank."""
+        return self.tp_size * self.pp_size
+
+    def layer_range(self, pp_rank: int) -> tuple[int, int]:
+        """Half-open range of global layers held by PP stage ``pp_rank``."""
+        split = self.layer_split or (self.num_layers // self.pp_size,) * self.pp_size
+        start = sum(split[:pp_rank])
+        return start, start + split[pp_rank]
+
+    def heads_held(self) -> int:
+        """KV heads in each rank's pool."""
+        if self.attention_dp:
+            return self.num_kv_heads
+        return max(1, self.num_kv_heads // self.tp_size)
+
+    def head_range(self, tp_rank: int) -> tuple[int, int]:
+        """Half-open range of global KV heads held by TP rank ``tp_rank``."""
+        if self.attention_dp:
+            return 0, self.num_kv_heads
+        if self.tp_size <= self.num_kv_heads:
+            per = self.num_kv_heads // self.tp_size
+            return tp_rank * per, (tp_rank + 1) * per
+        head = tp_rank // (self.tp_size // self.num_kv_heads)
+        return head, head + 1
+
+    def local_shape(self, rank: int) -> dict[str, int]:
+        """Axis sizes of rank ``rank``'s pool."""
+        lo, hi = self.layer_range(rank // self.tp_size)
+        return {
+            "block": self.num_blocks,
+            "layer": hi - lo,
+            "kv": 2,
+            "head": self.heads_held(),
+            "token": self.tokens_per_block,
+            "dim": self.head_dim,
+        }
+
+    def pool_shape(self, rank: int) -> tuple[int, ...]:
+        """Shape of rank ``rank``'s pool tensor in ``axis_order``."""
+        sizes = self.local_shape(rank)
+        return tuple(sizes[a] for a in self.axis_order)
+
+    def block_bytes(self, rank: int) -> int:
+        """Bytes one block occupies in rank ``rank``'s pool (all its layers)."""
+        s = self.local_shape(rank)
+        return s["layer"] * 2 * s["head"] * s["token"] * s["dim"] * self.itemsize
+
+    def pool_bytes(self, rank: int) -> int:
+        """Bytes of rank ``rank``'s whole pool."""
+        return self.block_bytes(rank) * self.num_blocks
