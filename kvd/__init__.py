@@ -1,0 +1,1 @@
+"""kvd: the per-node KV-cache transfer daemon."""

@@ -1,0 +1,187 @@
+"""Daemon configuration: one frozen msgspec struct decoded from TOML, plus ``KVD_*`` overrides.
+
+Environment overrides (documented in the README; an explicit env setting wins over the file):
+
+- ``KVD_SOCKET``: Unix socket path.
+- ``KVD_NODE``: node name announced to peers.
+- ``KVD_LOG_FORMAT``: ``auto`` | ``json`` | ``console``.
+- ``KVD_LOG_LEVEL``: ``debug`` | ``info`` | ``warning`` | ``error``.
+- ``KVD_PEER_PORT``: TCP port of the peer link listener (0 = ephemeral).
+- ``KVD_METRICS_PORT``: Prometheus port (0 = off).
+- ``KVD_POOL_USE_FABRIC_MEMORY`` / ``TRTLLM_KVCACHE_POOL_USE_FABRIC_MEMORY``: "1" try fabric
+  memory on GPU pools, "0" don't (read by the pool policy, :mod:`kvd.pool.policy`).
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Literal
+
+import msgspec
+
+from protocol.errors import BadRequest
+from protocol.framing import DEFAULT_MAX_FRAME_SIZE
+from protocol.layout import TRTLLM_AXIS_ORDER, KVLayout
+
+MemoryKind = Literal["auto", "fabric", "device", "posix_fd", "host"]
+
+
+class PoolConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """One KV pool the daemon owns: memory policy + block geometry of the rank it serves.
+
+    The pool holds the blocks of ONE rank of ``layout`` (``rank``): its tensor shape is
+    ``layout.pool_shape(rank)``. Give ``num_blocks`` or ``budget_mb`` (blocks that fit).
+    """
+
+    name: str
+    memory: MemoryKind = "auto"
+    require_fabric: bool = False
+    device: int = -1  # CUDA ordinal; -1 = host memory
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    tokens_per_block: int
+    dtype: str = "bfloat16"
+    tp_size: int = 1
+    pp_size: int = 1
+    attention_dp: bool = False
+    layer_split: tuple[int, ...] | None = None
+    axis_order: tuple[str, ...] = TRTLLM_AXIS_ORDER
+    rank: int = 0
+    num_blocks: int = 0
+    budget_mb: float = 0.0
+
+    def layout(self) -> KVLayout:
+        """The :class:`KVLayout` of this pool with its block count resolved."""
+        base = KVLayout(
+            self.num_layers,
+            self.num_kv_heads,
+            self.head_dim,
+            self.tokens_per_block,
+            self.dtype,
+            tp_size=self.tp_size,
+            pp_size=self.pp_size,
+            attention_dp=self.attention_dp,
+            layer_split=self.layer_split,
+            axis_order=self.axis_order,
+            num_blocks=1,
+        )
+        if not 0 <= self.rank < base.world_size:
+            raise BadRequest(f"pool {self.name!r}: rank {self.rank} outside world size {base.world_size}")
+        blocks = self.num_blocks
+        if blocks <= 0:
+            if self.budget_mb <= 0:
+                raise BadRequest(f"pool {self.name!r}: give num_blocks or budget_mb")
+            blocks = int(self.budget_mb * 2**20) // base.block_bytes(self.rank)
+            if blocks < 1:
+                raise BadRequest(f"pool {self.name!r}: budget_mb={self.budget_mb} holds no block")
+        return msgspec.structs.replace(base, num_blocks=blocks)
+
+
+class PeerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """A peer daemon this one connects to."""
+
+    name: str
+    host: str = "127.0.0.1"
+    port: int
+
+
+class TransferConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Transfer engine tuning."""
+
+    bounce_size_mb: int = 512  # receive region per peer link (and send staging)
+    chunk_mb: int = 64  # one NIXL write per chunk
+    deadline_s: float = 60.0  # default per-transfer deadline
+    bounce_wait_s: float = 5.0  # how long to wait for credits before per-fragment fallback
+    nixl_progress_thread: bool = False  # DESIGN.md: off is faster on small hosts
+
+
+class LimitsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Per-daemon and per-session limits; exceeding one is a clear ``LimitExceeded``."""
+
+    max_sessions: int = 1024
+    max_inflight_per_session: int = 256
+    max_blocks_per_session: int = 1 << 30
+    max_frame_size: int = DEFAULT_MAX_FRAME_SIZE
+
+
+class AccessConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Who may connect to the Unix socket (SO_PEERCRED). Empty lists = the daemon's own group."""
+
+    allowed_uids: tuple[int, ...] = ()
+    allowed_gids: tuple[int, ...] = ()
+
+
+class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """The whole daemon configuration. Passed explicitly; there is no global config."""
+
+    node: str = "kvd"
+    socket_path: str = "/run/kvd/kvd.sock"
+    socket_mode: int = 0o660
+    log_format: Literal["auto", "json", "console"] = "auto"
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    peer_host: str = "127.0.0.1"
+    peer_port: int = 0  # peer-link TCP port; 0 = ephemeral (printed at startup)
+    peer_secret_file: str = ""
+    metrics_port: int = 0  # 0 = off
+    metrics_host: str = "127.0.0.1"
+    drain_timeout_s: float = 30.0
+    pools: tuple[PoolConfig, ...] = ()
+    peers: tuple[PeerConfig, ...] = ()
+    transfer: TransferConfig = TransferConfig()
+    limits: LimitsConfig = LimitsConfig()
+    access: AccessConfig = AccessConfig()
+
+
+_ENV_OVERRIDES: dict[str, tuple[str, type]] = {
+    "KVD_SOCKET": ("socket_path", str),
+    "KVD_NODE": ("node", str),
+    "KVD_LOG_FORMAT": ("log_format", str),
+    "KVD_LOG_LEVEL": ("log_level", str),
+    "KVD_PEER_PORT": ("peer_port", int),
+    "KVD_METRICS_PORT": ("metrics_port", int),
+}
+
+
+def config_from_dict(data: Mapping[str, object], env: Mapping[str, str] | None = None) -> Config:
+    """Build a :class:`Config` from a dict (parsed TOML) and apply env overrides."""
+    env = os.environ if env is None else env
+    merged = dict(data)
+    for var, (field, typ) in _ENV_OVERRIDES.items():
+        if var in env and env[var] != "":
+            try:
+                merged[field] = typ(env[var])
+            except ValueError:
+                raise BadRequest(f"environment {var}={env[var]!r} is not a valid {typ.__name__}") from None
+    try:
+        cfg = msgspec.convert(merged, Config)
+    except msgspec.ValidationError as exc:
+        raise BadRequest(f"invalid configuration: {exc}") from None
+    names = [p.name for p in cfg.pools]
+    if len(set(names)) != len(names):
+        raise BadRequest(f"duplicate pool names in configuration: {names}")
+    for pool in cfg.pools:
+        pool.layout()  # validates geometry and block count
+    return cfg
+
+
+def load_config(path: str | Path | None, env: Mapping[str, str] | None = None) -> Config:
+    """Read a TOML file (or nothing) and apply env overrides."""
+    data: dict[str, object] = {}
+    if path is not None:
+        try:
+            with open(path, "rb") as f:
+                data = tomllib.load(f)
+        except OSError as exc:
+            raise BadRequest(f"cannot read configuration {path}: {exc.strerror}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise BadRequest(f"configuration {path} is not valid TOML: {exc}") from None
+    return config_from_dict(data, env)
+
+
+def config_to_json(cfg: Config) -> str:
+    """The effective configuration as JSON (for ``kvctl config``)."""
+    return msgspec.json.encode(cfg).decode()
