@@ -1,0 +1,590 @@
+"""The daemon ↔ daemon link over TCP: framing, authenticated handshake, heartbeats, reconnect.
+
+- :class:`PeerConnection` wraps a ``trio.abc.Stream`` with length-prefixed msgpack frames of
+  :mod:`protocol.peer` messages. Its :meth:`~PeerConnection.receive` answers the peer's
+  heartbeats and records acks itself, so a link needs one task that keeps receiving.
+- :func:`handshake_client` / :func:`handshake_server`: version check, mutual HMAC
+  challenge-response on the shared secret (:mod:`kvd.peer.auth`), then both sides exchange
+  :class:`~protocol.peer.PeerWelcome` (NIXL metadata, bounce regions, pools). Pass a
+  :class:`PeerConnection` (not a bare stream) when the link is used afterwards: frames the
+  peer sends right after the handshake may already sit in its buffer.
+- :func:`run_heartbeats`: sends ``Heartbeat`` every ``interval``; raises
+  :class:`~protocol.errors.PeerUnavailable` when nothing arrived for ``timeout``.
+- :func:`connect_with_backoff`: TCP connect, retried with capped exponential backoff + jitter.
+
+Failures are the :mod:`protocol.errors` classes: ``AuthFailed`` (both sides, logged as the
+``peer.auth_failed`` warning with the remote address), ``VersionMismatch`` (both sides),
+``PeerUnavailable`` (handshake timeout, heartbeat loss, connect gave up), ``ConnectionClosed``
+(``by_peer`` tells "the peer closed or broke it" from "we closed it"), ``ProtocolError``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from collections import deque
+from typing import Any, TypeVar
+
+import msgspec
+import structlog
+import trio
+
+from kvd.peer.auth import check_nonce, handshake_mac, new_nonce, verify_mac
+from protocol.errors import (
+    AuthFailed,
+    BadRequest,
+    ConnectionClosed,
+    KvdError,
+    PeerUnavailable,
+    ProtocolError,
+    VersionMismatch,
+    error_from_code,
+)
+from protocol.framing import DEFAULT_MAX_FRAME_SIZE, FrameBuffer
+from protocol.peer import (
+    PEER_PROTOCOL_VERSION,
+    PRE_AUTH_MAX_FRAME_SIZE,
+    Heartbeat,
+    HeartbeatAck,
+    PeerAuth,
+    PeerBye,
+    PeerChallenge,
+    PeerError,
+    PeerHello,
+    PeerWelcome,
+    decode_peer,
+    encode_peer,
+)
+
+__all__ = [
+    "DEFAULT_HANDSHAKE_TIMEOUT",
+    "PeerConnection",
+    "accept_peer",
+    "connect_peer",
+    "connect_with_backoff",
+    "handshake_client",
+    "handshake_server",
+    "run_heartbeats",
+]
+
+log = structlog.get_logger("kvd.peer")
+
+DEFAULT_HANDSHAKE_TIMEOUT = 10.0
+_M = TypeVar("_M", bound=msgspec.Struct)
+
+
+def _peer_address(stream: trio.abc.Stream) -> str:
+    sock = getattr(stream, "socket", None)
+    if sock is None:
+        return ""
+    try:
+        addr = sock.getpeername()
+    except OSError:
+        return ""
+    if isinstance(addr, tuple) and len(addr) >= 2:
+        host = addr[0]
+        return f"[{host}]:{addr[1]}" if ":" in str(host) else f"{host}:{addr[1]}"
+    return str(addr)
+
+
+def _now() -> float:
+    try:
+        return trio.current_time()
+    except RuntimeError:  # outside trio.run
+        return 0.0
+
+
+class PeerConnection:
+    """A framed peer-link connection over any ``trio.abc.Stream``.
+
+    ``send`` may be called from several tasks (a lock keeps frames whole); ``receive`` from
+    one task at a time. A send cancelled halfway leaves a partial frame on the wire: treat
+    the link as broken after that.
+    """
+
+    def __init__(
+        self,
+        stream: trio.abc.Stream,
+        *,
+        max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
+        remote_addr: str | None = None,
+        receive_size: int = 64 * 1024,
+    ) -> None:
+        self.stream = stream
+        self._buf = FrameBuffer(max_frame_size)
+        self._max_frame_size = max_frame_size
+        self._frames: deque[bytes] = deque()
+        self._send_lock = trio.Lock()
+        self._receiving = False
+        self._receive_size = receive_size
+        self._closed_by_us = False
+        self.remote_addr = _peer_address(stream) if remote_addr is None else remote_addr
+        #: Set by the handshake.
+        self.remote_node = ""
+        self.welcome: PeerWelcome | None = None
+        #: trio time of the last frame received (any message proves the peer alive).
+        self.last_received = _now()
+        self.last_ack_seq = 0
+
+    @property
+    def max_frame_size(self) -> int:
+        return self._max_frame_size
+
+    @max_frame_size.setter
+    def max_frame_size(self, value: int) -> None:
+        if value < 1:
+            raise ValueError("max_frame_size must be positive")
+        self._max_frame_size = value
+        self._buf.max_frame_size = value
+
+    @property
+    def closed(self) -> bool:
+        """True once we closed the link (``aclose``)."""
+        return self._closed_by_us
+
+    def describe(self) -> str:
+        who = f"peer {self.remote_node!r}" if self.remote_node else "peer"
+        return f"{who} at {self.remote_addr}" if self.remote_addr else who
+
+    async def send(self, msg: msgspec.Struct) -> None:
+        """Frame and send one message."""
+        data = encode_peer(msg, self._max_frame_size)
+        if self._closed_by_us:
+            raise ConnectionClosed(f"link to {self.describe()} was closed by us", by_peer=False)
+        async with self._send_lock:
+            try:
+                await self.stream.send_all(data)
+            except trio.BrokenResourceError as exc:
+                raise ConnectionClosed(f"link to {self.describe()} broke: {exc}", by_peer=True) from None
+            except trio.ClosedResourceError:
+                raise ConnectionClosed(f"link to {self.describe()} was closed by us", by_peer=False) from None
+
+    async def _next_payload(self) -> bytes:
+        while not self._frames:
+            try:
+                data = await self.stream.receive_some(self._receive_size)
+            except trio.BrokenResourceError as exc:
+                raise ConnectionClosed(f"link to {self.describe()} broke: {exc}", by_peer=True) from None
+            except trio.ClosedResourceError:
+                raise ConnectionClosed(f"link to {self.describe()} was closed by us", by_peer=False) from None
+            if not data:
+                if self._buf.pending:
+                    raise ConnectionClosed(
+                        f"{self.describe()} closed the connection in the middle of a frame", by_peer=True
+                    )
+                raise ConnectionClosed(f"{self.describe()} closed the connection", by_peer=True)
+            self._frames.extend(self._buf.feed(bytes(data)))
+        return self._frames.popleft()
+
+    async def receive_any(self) -> msgspec.Struct:
+        """The next message, whatever it is (the handshake uses this)."""
+        if self._receiving:
+            raise trio.BusyResourceError("another task is already receiving on this peer link")
+        self._receiving = True
+        try:
+            payload = await self._next_payload()
+        finally:
+            self._receiving = False
+        msg = decode_peer(payload)
+        self.last_received = _now()
+        return msg
+
+    async def receive(self) -> msgspec.Struct:
+        """The next application message.
+
+        Heartbeats are answered and acks recorded here (never returned); ``PeerBye`` raises
+        ``ConnectionClosed(by_peer=True)`` with the peer's reason.
+        """
+        while True:
+            msg = await self.receive_any()
+            if isinstance(msg, Heartbeat):
+                await self.send(HeartbeatAck(seq=msg.seq))
+                continue
+            if isinstance(msg, HeartbeatAck):
+                self.last_ack_seq = max(self.last_ack_seq, msg.seq)
+                continue
+            if isinstance(msg, PeerBye):
+                reason = f": {msg.reason}" if msg.reason else ""
+                raise ConnectionClosed(f"{self.describe()} closed the link{reason}", by_peer=True)
+            return msg
+
+    async def aclose(self, reason: str = "") -> None:
+        """Say goodbye (best effort, bounded) and close the stream. Idempotent."""
+        if self._closed_by_us:
+            return
+        with trio.CancelScope(shield=True):
+            with trio.move_on_after(1.0):
+                with contextlib.suppress(ConnectionClosed, trio.BusyResourceError):
+                    await self.send(PeerBye(reason=reason))
+            self._closed_by_us = True
+            await trio.aclose_forcefully(self.stream)
+
+    async def __aenter__(self) -> PeerConnection:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+
+# --- handshake ---------------------------------------------------------------------------
+
+
+async def _expect(conn: PeerConnection, cls: type[_M]) -> _M:
+    msg = await conn.receive_any()
+    if isinstance(msg, cls):
+        return msg
+    if isinstance(msg, PeerError):
+        raise error_from_code(msg.code, f"{conn.describe()}: {msg.message}")
+    raise ProtocolError(
+        f"{conn.describe()} sent {type(msg).__name__} during the handshake where {cls.__name__} was expected"
+    )
+
+
+async def _refuse(conn: PeerConnection, err: KvdError) -> None:
+    """Tell the peer why (best effort, bounded), then the caller raises ``err``."""
+    with trio.move_on_after(1.0):
+        with contextlib.suppress(ConnectionClosed, trio.BusyResourceError):
+            await conn.send(PeerError(code=err.code, message=err.message))
+
+
+def _auth_failed(conn: PeerConnection, side: str, reason: str, node: str = "") -> AuthFailed:
+    log.warning(
+        "peer.auth_failed", remote=conn.remote_addr, node=node or conn.remote_node, side=side, reason=reason
+    )
+    who = f"peer {node!r}" if node else "peer"
+    where = f" at {conn.remote_addr}" if conn.remote_addr else ""
+    return AuthFailed(f"{who}{where} failed the shared-secret handshake: {reason}")
+
+
+def _as_conn(stream: trio.abc.Stream | PeerConnection, max_frame_size: int) -> PeerConnection:
+    if isinstance(stream, PeerConnection):
+        return stream
+    return PeerConnection(stream, max_frame_size=max_frame_size)
+
+
+async def handshake_client(
+    stream: trio.abc.Stream | PeerConnection,
+    *,
+    node: str,
+    secret: bytes,
+    local_welcome_payload: PeerWelcome,
+    timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
+    expect_node: str | None = None,
+    version: int = PEER_PROTOCOL_VERSION,
+    max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
+) -> tuple[str, PeerWelcome]:
+    """Authenticate to a listening daemon; returns its node name and welcome.
+
+    ``local_welcome_payload`` is sent once both sides are authenticated (its ``node`` is set
+    to ``node``). ``expect_node``: refuse a peer announcing another name. Raises
+    ``AuthFailed``, ``VersionMismatch``, ``PeerUnavailable`` (no handshake within
+    ``timeout``), ``ConnectionClosed`` or ``ProtocolError``.
+    """
+    conn = _as_conn(stream, max_frame_size)
+    full = conn.max_frame_size
+    try:
+        with trio.fail_after(timeout):
+            conn.max_frame_size = min(full, PRE_AUTH_MAX_FRAME_SIZE)
+            nonce_c = new_nonce()
+            await conn.send(PeerHello(version=version, node=node, nonce=nonce_c))
+            try:
+                ch = await _expect(conn, PeerChallenge)
+            except AuthFailed as exc:
+                raise _auth_failed(conn, "client", f"the peer refused us: {exc.message}") from None
+            except VersionMismatch as exc:
+                log.warning(
+                    "peer.version_mismatch", remote=conn.remote_addr, side="client", error=exc.message
+                )
+                raise
+            if ch.version != version:
+                err = VersionMismatch(
+                    f"peer {ch.node!r} speaks peer protocol {ch.version}, we speak {version}"
+                )
+                log.warning(
+                    "peer.version_mismatch", remote=conn.remote_addr, side="client", error=err.message
+                )
+                await _refuse(conn, err)
+                raise err
+            try:
+                check_nonce(ch.nonce, other=nonce_c)
+            except AuthFailed as exc:
+                fail = _auth_failed(conn, "client", exc.message, ch.node)
+                await _refuse(conn, fail)
+                raise fail from None
+            expected = handshake_mac(
+                secret,
+                "server",
+                version=version,
+                client_node=node,
+                server_node=ch.node,
+                client_nonce=nonce_c,
+                server_nonce=ch.nonce,
+            )
+            if not verify_mac(expected, ch.mac):
+                fail = _auth_failed(conn, "client", "its MAC does not match our secret", ch.node)
+                await _refuse(conn, fail)
+                raise fail
+            if ch.node == node:
+                err_b = BadRequest(f"the peer at {conn.remote_addr} has our own node name {node!r}")
+                await _refuse(conn, err_b)
+                raise err_b
+            mac_c = handshake_mac(
+                secret,
+                "client",
+                version=version,
+                client_node=node,
+                server_node=ch.node,
+                client_nonce=nonce_c,
+                server_nonce=ch.nonce,
+            )
+            await conn.send(PeerAuth(mac=mac_c))
+            conn.remote_node = ch.node
+            conn.max_frame_size = full
+            try:
+                welcome = await _expect(conn, PeerWelcome)
+            except AuthFailed as exc:
+                raise _auth_failed(conn, "client", f"the peer refused us: {exc.message}", ch.node) from None
+            if welcome.node != ch.node:
+                raise ProtocolError(f"peer {ch.node!r} welcomed us as {welcome.node!r}")
+            if expect_node is not None and ch.node != expect_node:
+                err_n = PeerUnavailable(
+                    f"expected peer {expect_node!r} at {conn.remote_addr}, found {ch.node!r}"
+                )
+                await _refuse(conn, err_n)
+                raise err_n
+            await conn.send(msgspec.structs.replace(local_welcome_payload, node=node))
+    except trio.TooSlowError:
+        raise PeerUnavailable(
+            f"{conn.describe()} did not complete the handshake within {timeout} s"
+        ) from None
+    finally:
+        conn.max_frame_size = full
+    conn.welcome = welcome
+    log.info("peer.connected", remote=conn.remote_addr, node=ch.node, side="client")
+    return ch.node, welcome
+
+
+async def handshake_server(
+    stream: trio.abc.Stream | PeerConnection,
+    *,
+    node: str,
+    secret: bytes,
+    local_welcome_payload: PeerWelcome,
+    timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
+    version: int = PEER_PROTOCOL_VERSION,
+    max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
+) -> tuple[str, PeerWelcome]:
+    """Authenticate a connecting daemon; returns its node name and welcome.
+
+    Same errors as :func:`handshake_client`. Before the peer has proved the secret, frames
+    are limited to :data:`~protocol.peer.PRE_AUTH_MAX_FRAME_SIZE`.
+    """
+    conn = _as_conn(stream, max_frame_size)
+    full = conn.max_frame_size
+    try:
+        with trio.fail_after(timeout):
+            conn.max_frame_size = min(full, PRE_AUTH_MAX_FRAME_SIZE)
+            hello = await _expect(conn, PeerHello)
+            if hello.version != version:
+                err = VersionMismatch(
+                    f"peer {hello.node!r} speaks peer protocol {hello.version}, we speak {version}"
+                )
+                log.warning(
+                    "peer.version_mismatch", remote=conn.remote_addr, side="server", error=err.message
+                )
+                await _refuse(conn, err)
+                raise err
+            try:
+                check_nonce(hello.nonce)
+            except AuthFailed as exc:
+                fail = _auth_failed(conn, "server", exc.message, hello.node)
+                await _refuse(conn, fail)
+                raise fail from None
+            if hello.node == node:
+                err_b = BadRequest(f"the peer at {conn.remote_addr} has our own node name {node!r}")
+                await _refuse(conn, err_b)
+                raise err_b
+            nonce_s = new_nonce()
+            args: dict[str, Any] = dict(
+                version=version,
+                client_node=hello.node,
+                server_node=node,
+                client_nonce=hello.nonce,
+                server_nonce=nonce_s,
+            )
+            mac_s = handshake_mac(secret, "server", **args)
+            await conn.send(PeerChallenge(version=version, node=node, nonce=nonce_s, mac=mac_s))
+            try:
+                auth = await _expect(conn, PeerAuth)
+            except AuthFailed as exc:
+                raise _auth_failed(
+                    conn, "server", f"the peer refused us: {exc.message}", hello.node
+                ) from None
+            if not verify_mac(handshake_mac(secret, "client", **args), auth.mac):
+                fail = _auth_failed(conn, "server", "its MAC does not match our secret", hello.node)
+                await _refuse(conn, fail)
+                raise fail
+            conn.remote_node = hello.node
+            conn.max_frame_size = full
+            await conn.send(msgspec.structs.replace(local_welcome_payload, node=node))
+            welcome = await _expect(conn, PeerWelcome)
+            if welcome.node != hello.node:
+                raise ProtocolError(f"peer {hello.node!r} sent a welcome for {welcome.node!r}")
+    except trio.TooSlowError:
+        raise PeerUnavailable(
+            f"{conn.describe()} did not complete the handshake within {timeout} s"
+        ) from None
+    finally:
+        conn.max_frame_size = full
+    conn.welcome = welcome
+    log.info("peer.accepted", remote=conn.remote_addr, node=hello.node, side="server")
+    return hello.node, welcome
+
+
+# --- liveness ----------------------------------------------------------------------------
+
+
+async def run_heartbeats(conn: PeerConnection, interval: float = 5.0, timeout: float = 15.0) -> None:
+    """Send ``Heartbeat`` every ``interval`` s; raise ``PeerUnavailable`` after ``timeout`` s of silence.
+
+    Any frame from the peer counts as a sign of life (its ``HeartbeatAck`` or anything else),
+    so a task must keep calling :meth:`PeerConnection.receive` meanwhile. Runs until
+    cancelled or until the peer falls silent.
+    """
+    if interval <= 0 or timeout <= 0:
+        raise ValueError("heartbeat interval and timeout must be positive")
+    seq = 0
+    next_beat = trio.current_time()
+    conn.last_received = max(conn.last_received, trio.current_time())
+    while True:
+        now = trio.current_time()
+        deadline = conn.last_received + timeout
+        if now >= deadline:
+            silent = now - conn.last_received
+            log.warning(
+                "peer.heartbeat_lost",
+                remote=conn.remote_addr,
+                node=conn.remote_node,
+                silent_s=round(silent, 3),
+            )
+            raise PeerUnavailable(
+                f"{conn.describe()} sent nothing for {silent:.1f} s (heartbeat timeout {timeout} s)"
+            )
+        if now >= next_beat:
+            seq += 1
+            with trio.move_on_after(timeout) as scope:
+                await conn.send(Heartbeat(seq=seq))
+            if scope.cancelled_caught:
+                raise PeerUnavailable(f"sending a heartbeat to {conn.describe()} blocked for {timeout} s")
+            next_beat = now + interval
+        await trio.sleep_until(min(next_beat, conn.last_received + timeout))
+
+
+# --- connecting --------------------------------------------------------------------------
+
+
+async def connect_with_backoff(
+    host: str,
+    port: int,
+    *,
+    initial: float = 0.1,
+    maximum: float = 10.0,
+    multiplier: float = 2.0,
+    jitter: float = 0.5,
+    connect_timeout: float = 5.0,
+    max_attempts: int | None = None,
+    rng: random.Random | None = None,
+) -> trio.SocketStream:
+    """Open a TCP stream, retrying with exponential backoff (capped at ``maximum``) and jitter.
+
+    Each wait is ``delay * (1 - jitter * U[0,1))``, with ``delay`` doubling from ``initial``.
+    Cancellable at any point (the caller's deadline applies); raises ``PeerUnavailable``
+    after ``max_attempts`` failed attempts (``None`` = retry forever).
+    """
+    if initial <= 0 or maximum < initial or multiplier < 1 or not 0 <= jitter <= 1:
+        raise ValueError("need 0 < initial <= maximum, multiplier >= 1 and 0 <= jitter <= 1")
+    rand = rng or random.Random()
+    delay = initial
+    attempt = 0
+    while True:
+        attempt += 1
+        try:
+            with trio.fail_after(connect_timeout):
+                stream = await trio.open_tcp_stream(host, port)
+        except (OSError, trio.TooSlowError) as exc:
+            reason = (
+                f"timed out after {connect_timeout} s" if isinstance(exc, trio.TooSlowError) else str(exc)
+            )
+            if max_attempts is not None and attempt >= max_attempts:
+                raise PeerUnavailable(
+                    f"cannot connect to peer {host}:{port} after {attempt} attempts: {reason}"
+                ) from None
+            wait = delay * (1 - jitter * rand.random())
+            level = log.info if attempt == 1 or attempt % 10 == 0 else log.debug
+            level(
+                "peer.connect_retry",
+                host=host,
+                port=port,
+                attempt=attempt,
+                retry_in_s=round(wait, 3),
+                error=reason,
+            )
+            await trio.sleep(wait)
+            delay = min(maximum, delay * multiplier)
+        else:
+            if attempt > 1:
+                log.info("peer.connect_ok", host=host, port=port, attempts=attempt)
+            return stream
+
+
+async def connect_peer(
+    host: str,
+    port: int,
+    *,
+    node: str,
+    secret: bytes,
+    welcome: PeerWelcome,
+    expect_node: str | None = None,
+    handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
+    max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
+    **backoff: Any,
+) -> PeerConnection:
+    """Connect (with backoff) and authenticate; returns the ready link (closed on failure)."""
+    stream = await connect_with_backoff(host, port, **backoff)
+    conn = PeerConnection(stream, max_frame_size=max_frame_size)
+    try:
+        await handshake_client(
+            conn,
+            node=node,
+            secret=secret,
+            local_welcome_payload=welcome,
+            timeout=handshake_timeout,
+            expect_node=expect_node,
+        )
+    except BaseException:
+        with trio.CancelScope(shield=True):
+            await trio.aclose_forcefully(stream)
+        raise
+    return conn
+
+
+async def accept_peer(
+    stream: trio.abc.Stream,
+    *,
+    node: str,
+    secret: bytes,
+    welcome: PeerWelcome,
+    handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
+    max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
+) -> PeerConnection:
+    """Authenticate an accepted stream (a ``trio.serve_tcp`` handler's); closed on failure."""
+    conn = PeerConnection(stream, max_frame_size=max_frame_size)
+    try:
+        await handshake_server(
+            conn, node=node, secret=secret, local_welcome_payload=welcome, timeout=handshake_timeout
+        )
+    except BaseException:
+        with trio.CancelScope(shield=True):
+            await trio.aclose_forcefully(stream)
+        raise
+    return conn

@@ -1,0 +1,560 @@
+"""kvd.peer + protocol.peer: the authenticated daemon-to-daemon link.
+
+Handshakes over trio's memory streams and over real loopback TCP; virtual time
+(``autojump_clock``) for timeouts and heartbeats; structlog's ``capture_logs`` for the
+``peer.auth_failed`` warnings.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import stat
+from collections.abc import MutableMapping
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+import trio
+import trio.testing
+from structlog.testing import capture_logs
+
+from kvd.peer import (
+    PeerConnection,
+    accept_peer,
+    connect_peer,
+    connect_with_backoff,
+    handshake_client,
+    handshake_mac,
+    handshake_server,
+    load_secret,
+    run_heartbeats,
+    verify_mac,
+)
+from protocol.errors import (
+    AuthFailed,
+    BadRequest,
+    ConnectionClosed,
+    FrameTooLarge,
+    PeerUnavailable,
+    PermissionDenied,
+    ProtocolError,
+    VersionMismatch,
+)
+from protocol.framing import FrameBuffer
+from protocol.layout import KVLayout
+from protocol.peer import (
+    PEER_PROTOCOL_VERSION,
+    Heartbeat,
+    PeerChallenge,
+    PeerError,
+    PeerHello,
+    PeerMessage,
+    PeerWelcome,
+    PoolDesc,
+    RegionDesc,
+    decode_peer,
+    encode_peer,
+    encode_peer_payload,
+    register_peer_messages,
+)
+
+SECRET = b"0123456789abcdef-shared-secret"
+OTHER_SECRET = b"fedcba9876543210-other-secret!"
+
+
+def welcome(node: str, tag: bytes) -> PeerWelcome:
+    return PeerWelcome(
+        node=node,
+        nixl_agent=f"{node}-nixl",
+        nixl_metadata=b"nixl-metadata-of-" + tag,
+        bounce=[
+            RegionDesc(name="bounce", addr=0x1000, nbytes=1 << 20, device=-1, slot_bytes=1 << 18, slots=4)
+        ],
+        pools=[
+            PoolDesc(
+                name="pool0",
+                addr=0x200000,
+                nbytes=1 << 24,
+                device=0,
+                kind="device",
+                block_bytes=1 << 16,
+                num_blocks=256,
+                layout=KVLayout(4, 8, 64, 32, "bfloat16", num_blocks=256),
+            )
+        ],
+    )
+
+
+def _unnamed(w: PeerWelcome) -> PeerWelcome:
+    """The handshake fills in the node name."""
+    return msgspec.structs.replace(w, node="")
+
+
+class Ping(PeerMessage, frozen=True, tag="test_ping"):
+    """An application message, as the transfer engine will add."""
+
+    payload: bytes = b""
+
+
+register_peer_messages(Ping)
+
+
+def _auth_events(logs: list[MutableMapping[str, Any]]) -> list[MutableMapping[str, Any]]:
+    return [e for e in logs if e["event"] == "peer.auth_failed"]
+
+
+# --- protocol.peer (sans-IO) -------------------------------------------------------------------
+
+
+def test_encode_decode_roundtrip_and_errors() -> None:
+    msgs: list[msgspec.Struct] = [
+        PeerHello(version=1, node="a", nonce=b"n" * 32, id=3),
+        welcome("b", b"x"),
+        Heartbeat(seq=9),
+        PeerError(code="auth_failed", message="no"),
+        Ping(payload=b"p"),
+    ]
+    buf = FrameBuffer()
+    frames = buf.feed(b"".join(encode_peer(m) for m in msgs))
+    assert [decode_peer(f) for f in frames] == msgs
+    with pytest.raises(ProtocolError, match="invalid peer message"):
+        decode_peer(msgspec.msgpack.encode({"type": "no_such_message"}))
+    with pytest.raises(ProtocolError, match="undecodable"):
+        decode_peer(b"\xc1")
+    with pytest.raises(ProtocolError):
+        decode_peer(msgspec.msgpack.encode({"type": "heartbeat", "seq": "not an int"}))
+    assert decode_peer(encode_peer_payload(Heartbeat(seq=1))) == Heartbeat(seq=1)
+
+
+def test_register_peer_messages_validates() -> None:
+    register_peer_messages(Ping)  # idempotent
+
+    class Clash(PeerMessage, frozen=True, tag="heartbeat"):
+        pass
+
+    class Untagged(msgspec.Struct, frozen=True):
+        x: int = 0
+
+    class Mutable(msgspec.Struct, tag_field="type", tag="test_mutable"):
+        x: int = 0
+
+    with pytest.raises(TypeError, match="already used by Heartbeat"):
+        register_peer_messages(Clash)
+    with pytest.raises(TypeError, match="tagged on the field 'type'"):
+        register_peer_messages(Untagged)
+    with pytest.raises(TypeError, match="frozen"):
+        register_peer_messages(Mutable)
+
+
+def test_macs_bind_role_nodes_nonces_and_secret() -> None:
+    base: dict[str, Any] = dict(
+        version=1, client_node="a", server_node="b", client_nonce=b"c" * 32, server_nonce=b"s" * 32
+    )
+    server = handshake_mac(SECRET, "server", **base)
+    assert len(server) == 32
+    assert verify_mac(server, handshake_mac(SECRET, "server", **base))
+    assert not verify_mac(server, handshake_mac(SECRET, "client", **base))
+    assert not verify_mac(server, handshake_mac(OTHER_SECRET, "server", **base))
+    for key, value in [
+        ("version", 2),
+        ("client_node", "x"),
+        ("server_node", "x"),
+        ("client_nonce", b"d" * 32),
+        ("server_nonce", b"t" * 32),
+    ]:
+        assert not verify_mac(server, handshake_mac(SECRET, "server", **{**base, key: value}))
+    # length-prefixed fields: moving bytes between adjacent fields changes the MAC
+    shifted = {**base, "client_node": "ab", "server_node": ""}
+    assert handshake_mac(SECRET, "server", **shifted) != handshake_mac(
+        SECRET, "server", **{**base, "client_node": "a", "server_node": "b"}
+    )
+
+
+# --- the secret file ---------------------------------------------------------------------------
+
+
+def _write_secret(path: Path, data: bytes, mode: int) -> Path:
+    path.write_bytes(data)
+    os.chmod(path, mode)
+    return path
+
+
+def test_load_secret_accepts_owner_only_file(tmp_path: Path) -> None:
+    p = _write_secret(tmp_path / "secret", SECRET + b"\n", 0o600)
+    assert load_secret(p) == SECRET
+    assert load_secret(_write_secret(tmp_path / "ro", SECRET, 0o400)) == SECRET
+
+
+@pytest.mark.parametrize("mode", [0o640, 0o604, 0o660, 0o644, 0o610])
+def test_load_secret_refuses_group_or_world_access(tmp_path: Path, mode: int) -> None:
+    p = _write_secret(tmp_path / "secret", SECRET, mode)
+    with pytest.raises(PermissionDenied, match=f"mode {mode:04o}: group/others may access it.*chmod 600"):
+        load_secret(p)
+
+
+def test_load_secret_refuses_missing_short_foreign_and_linked(tmp_path: Path) -> None:
+    with pytest.raises(BadRequest, match="does not exist"):
+        load_secret(tmp_path / "missing")
+    with pytest.raises(BadRequest, match="no peer secret file configured"):
+        load_secret("")
+    with pytest.raises(BadRequest, match="at least 16 are needed"):
+        load_secret(_write_secret(tmp_path / "short", b"tooshort\n", 0o600))
+    with pytest.raises(BadRequest, match="not a regular file"):
+        os.mkdir(tmp_path / "dir", 0o700)
+        load_secret(tmp_path / "dir")
+    target = _write_secret(tmp_path / "target", SECRET, 0o600)
+    os.symlink(target, tmp_path / "link")
+    with pytest.raises(PermissionDenied, match="symbolic link"):
+        load_secret(tmp_path / "link")
+    if os.geteuid() == 0:
+        foreign = _write_secret(tmp_path / "foreign", SECRET, 0o600)
+        os.chown(foreign, 4242, -1)
+        with pytest.raises(PermissionDenied, match="owned by uid 4242"):
+            load_secret(foreign)
+    assert stat.S_IMODE(os.stat(target).st_mode) == 0o600
+
+
+# --- handshake over memory streams -------------------------------------------------------------
+
+
+async def _pair_handshake(
+    client_secret: bytes = SECRET,
+    server_secret: bytes = SECRET,
+    client_version: int = PEER_PROTOCOL_VERSION,
+    server_node: str = "gen-node",
+) -> tuple[dict[str, Any], PeerConnection, PeerConnection]:
+    a, b = trio.testing.memory_stream_pair()
+    ca, cb = PeerConnection(a, remote_addr="mem:server"), PeerConnection(b, remote_addr="mem:client")
+    out: dict[str, Any] = {}
+
+    async def client() -> None:
+        try:
+            out["client"] = await handshake_client(
+                ca, node="ctx-node", secret=client_secret, local_welcome_payload=_unnamed(welcome("ctx-node", b"ctx")),
+                version=client_version,
+            )  # fmt: skip
+        except Exception as exc:
+            out["client"] = exc
+
+    async def server() -> None:
+        try:
+            out["server"] = await handshake_server(
+                cb, node=server_node, secret=server_secret, local_welcome_payload=welcome(server_node, b"gen")
+            )
+        except Exception as exc:
+            out["server"] = exc
+
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(client)
+            nursery.start_soon(server)
+    return out, ca, cb
+
+
+async def test_handshake_memory_right_secret_and_first_messages_kept() -> None:
+    out, ca, cb = await _pair_handshake()
+    node, w = out["client"]
+    assert node == "gen-node" and w == welcome("gen-node", b"gen")
+    node, w = out["server"]
+    assert node == "ctx-node" and w == welcome("ctx-node", b"ctx")  # node filled in by the handshake
+    assert ca.remote_node == "gen-node" and cb.remote_node == "ctx-node"
+    assert ca.welcome is not None and ca.welcome.pools[0].layout == KVLayout(
+        4, 8, 64, 32, "bfloat16", num_blocks=256
+    )
+    # the link carries application messages both ways right away
+    await ca.send(Ping(payload=b"one", id=1))
+    await ca.send(Ping(payload=b"two", id=2))
+    assert await cb.receive() == Ping(payload=b"one", id=1)
+    assert await cb.receive() == Ping(payload=b"two", id=2)
+    await cb.send(PeerError(code="not_found", message="x", id=2))
+    assert await ca.receive() == PeerError(code="not_found", message="x", id=2)
+
+
+async def test_handshake_memory_wrong_secret_fails_on_both_sides() -> None:
+    with capture_logs() as logs:
+        out, _ca, _cb = await _pair_handshake(client_secret=OTHER_SECRET)
+    assert isinstance(out["client"], AuthFailed)
+    assert isinstance(out["server"], AuthFailed)
+    assert "its MAC does not match our secret" in str(out["client"])
+    assert "the peer refused us" in str(out["server"])
+    events = _auth_events(logs)
+    assert {e["side"] for e in events} == {"client", "server"}
+    assert all(e["log_level"] == "warning" for e in events)
+    assert {e["remote"] for e in events} == {"mem:server", "mem:client"}
+
+
+async def test_version_mismatch_on_both_sides() -> None:
+    with capture_logs() as logs:
+        out, _ca, _cb = await _pair_handshake(client_version=PEER_PROTOCOL_VERSION + 1)
+    assert isinstance(out["client"], VersionMismatch)
+    assert isinstance(out["server"], VersionMismatch)
+    assert f"speaks peer protocol {PEER_PROTOCOL_VERSION + 1}, we speak {PEER_PROTOCOL_VERSION}" in str(
+        out["server"]
+    )
+    assert len([e for e in logs if e["event"] == "peer.version_mismatch"]) == 2
+
+
+async def test_silent_peer_times_out(autojump_clock: trio.testing.MockClock) -> None:
+    a, b = trio.testing.memory_stream_pair()
+    t0 = trio.current_time()
+    with pytest.raises(PeerUnavailable, match="did not complete the handshake within 7"):
+        await handshake_server(
+            b, node="gen", secret=SECRET, local_welcome_payload=welcome("gen", b""), timeout=7
+        )
+    assert trio.current_time() - t0 == pytest.approx(7)
+    # and a client whose server never answers its hello
+    c, _d = trio.testing.memory_stream_pair()
+    with pytest.raises(PeerUnavailable, match="did not complete the handshake within 3"):
+        await handshake_client(
+            c, node="ctx", secret=SECRET, local_welcome_payload=welcome("ctx", b""), timeout=3
+        )
+    del a
+
+
+async def test_client_refuses_a_reflected_nonce() -> None:
+    """A fake server that echoes the client's own nonce (and MAC-less) is refused."""
+    a, b = trio.testing.memory_stream_pair()
+    ca, fake = PeerConnection(a, remote_addr="mem:fake"), PeerConnection(b)
+
+    async def fake_server() -> None:
+        hello = await fake.receive_any()
+        assert isinstance(hello, PeerHello)
+        await fake.send(PeerChallenge(version=1, node="fake", nonce=hello.nonce, mac=b"x" * 32))
+        err = await fake.receive_any()
+        assert isinstance(err, PeerError) and err.code == "auth_failed"
+
+    with capture_logs() as logs:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(fake_server)
+            with pytest.raises(AuthFailed, match="echoed our own nonce"):
+                await handshake_client(
+                    ca, node="ctx", secret=SECRET, local_welcome_payload=welcome("ctx", b"")
+                )
+    assert [(e["remote"], e["side"]) for e in _auth_events(logs)] == [("mem:fake", "client")]
+
+
+async def test_same_node_name_refused_on_both_sides() -> None:
+    out, _ca, _cb = await _pair_handshake(server_node="ctx-node")
+    assert isinstance(out["server"], BadRequest) and "has our own node name 'ctx-node'" in str(out["server"])
+    assert isinstance(out["client"], BadRequest)
+
+
+# --- over real loopback TCP --------------------------------------------------------------------
+
+
+async def _serve(nursery: trio.Nursery, handler: Any) -> int:
+    listeners = await nursery.start(partial(trio.serve_tcp, handler, 0, host="127.0.0.1"))
+    port: int = listeners[0].socket.getsockname()[1]
+    return port
+
+
+async def test_tcp_handshake_right_secret() -> None:
+    got: dict[str, Any] = {}
+    done = trio.Event()
+
+    async def handler(stream: trio.SocketStream) -> None:
+        conn = await accept_peer(stream, node="gen-node", secret=SECRET, welcome=welcome("gen-node", b"gen"))
+        got["server"] = conn
+        got["first"] = await conn.receive()
+        await conn.send(Ping(payload=b"pong", id=got["first"].id))
+        done.set()
+        with pytest.raises(ConnectionClosed, match="closed the link: bye") as info:
+            await conn.receive()
+        assert info.value.by_peer
+        got["closed"] = True
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            port = await _serve(nursery, handler)
+            conn = await connect_peer(
+                "127.0.0.1",
+                port,
+                node="ctx-node",
+                secret=SECRET,
+                welcome=_unnamed(welcome("ctx-node", b"ctx")),
+                expect_node="gen-node",
+            )
+            assert conn.remote_node == "gen-node" and conn.remote_addr == f"127.0.0.1:{port}"
+            assert conn.welcome == welcome("gen-node", b"gen")
+            await conn.send(Ping(payload=b"ping", id=5))
+            assert await conn.receive() == Ping(payload=b"pong", id=5)
+            await done.wait()
+            await conn.aclose("bye")
+            with pytest.raises(ConnectionClosed, match="closed by us") as info:
+                await conn.send(Ping())
+            assert not info.value.by_peer
+            while "closed" not in got:
+                await trio.sleep(0.01)
+            nursery.cancel_scope.cancel()
+    server: PeerConnection = got["server"]
+    assert server.remote_node == "ctx-node" and server.welcome == welcome("ctx-node", b"ctx")
+    assert server.remote_addr.startswith("127.0.0.1:")
+
+
+async def test_tcp_handshake_wrong_secret_refused_and_logged() -> None:
+    server_err: list[BaseException] = []
+
+    async def handler(stream: trio.SocketStream) -> None:
+        try:
+            await accept_peer(stream, node="gen-node", secret=SECRET, welcome=welcome("gen-node", b""))
+        except AuthFailed as exc:
+            server_err.append(exc)
+
+    with capture_logs() as logs, trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            port = await _serve(nursery, handler)
+            with pytest.raises(
+                AuthFailed, match=f"peer 'gen-node' at 127.0.0.1:{port} failed the shared-secret"
+            ):
+                await connect_peer(
+                    "127.0.0.1", port, node="ctx-node", secret=OTHER_SECRET, welcome=welcome("", b"")
+                )
+            while not server_err:
+                await trio.sleep(0.01)
+            nursery.cancel_scope.cancel()
+    assert isinstance(server_err[0], AuthFailed) and "'ctx-node'" in str(server_err[0])
+    events = _auth_events(logs)
+    assert len(events) == 2
+    by_side = {e["side"]: e for e in events}
+    assert by_side["client"]["remote"] == f"127.0.0.1:{port}"
+    assert by_side["server"]["remote"].startswith("127.0.0.1:") and by_side["server"]["node"] == "ctx-node"
+
+
+async def test_tcp_unauthenticated_peer_cannot_send_big_frames() -> None:
+    errors: list[BaseException] = []
+
+    async def handler(stream: trio.SocketStream) -> None:
+        try:
+            await accept_peer(stream, node="gen-node", secret=SECRET, welcome=welcome("gen-node", b""))
+        except FrameTooLarge as exc:
+            errors.append(exc)
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            port = await _serve(nursery, handler)
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            with contextlib.suppress(trio.BrokenResourceError):  # the server hangs up mid-frame
+                await stream.send_all(encode_peer(PeerHello(version=1, node="x", nonce=b"n" * 1_000_000)))
+            while not errors:
+                await trio.sleep(0.01)
+            await stream.aclose()
+            nursery.cancel_scope.cancel()
+    assert "exceeds the maximum frame size 65536" in str(errors[0])
+
+
+# --- heartbeats --------------------------------------------------------------------------------
+
+
+async def _receive_forever(conn: PeerConnection) -> None:
+    while True:
+        await conn.receive()
+
+
+async def test_heartbeats_keep_a_live_link(autojump_clock: trio.testing.MockClock) -> None:
+    a, b = trio.testing.memory_stream_pair()
+    ca, cb = PeerConnection(a), PeerConnection(b)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_receive_forever, ca)
+        nursery.start_soon(_receive_forever, cb)
+        nursery.start_soon(run_heartbeats, cb, 1.0, 3.0)
+        with trio.move_on_after(60):
+            await run_heartbeats(ca, 1.0, 3.0)
+        nursery.cancel_scope.cancel()
+    assert ca.last_ack_seq >= 59 and cb.last_ack_seq >= 59
+
+
+async def test_heartbeat_loss_detected(autojump_clock: trio.testing.MockClock) -> None:
+    a, b = trio.testing.memory_stream_pair()
+    ca, cb = PeerConnection(a, remote_addr="mem:b"), PeerConnection(b)
+    t0 = trio.current_time()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_receive_forever, ca)
+        nursery.start_soon(_receive_forever, cb)
+        # the peer answers for a while, then hangs (stops receiving, like a stuck process)
+        await trio.sleep(10)
+        nursery.cancel_scope.cancel()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_receive_forever, ca)
+        with capture_logs() as logs, pytest.raises(PeerUnavailable, match=r"sent nothing for 4\.0 s"):
+            await run_heartbeats(ca, 1.0, 4.0)
+        nursery.cancel_scope.cancel()
+    assert trio.current_time() - t0 == pytest.approx(14)
+    assert [e["event"] for e in logs] == ["peer.heartbeat_lost"]
+    del cb
+
+
+async def test_peer_bye_and_broken_links_are_told_apart() -> None:
+    a, b = trio.testing.memory_stream_pair()
+    ca, cb = PeerConnection(a), PeerConnection(b, max_frame_size=1024)
+    await ca.send(Ping(payload=b"x" * 2000))
+    with pytest.raises(FrameTooLarge):
+        await cb.receive()
+    a, b = trio.testing.memory_stream_pair()
+    ca, cb = PeerConnection(a), PeerConnection(b)
+    await a.aclose()  # the other side vanishes without a goodbye
+    with pytest.raises(ConnectionClosed, match="closed the connection") as info:
+        await cb.receive()
+    assert info.value.by_peer
+    await cb.aclose()
+    with pytest.raises(ConnectionClosed, match="closed by us") as info:
+        await cb.receive()
+    assert not info.value.by_peer
+    del ca
+
+
+# --- reconnect ---------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+async def test_connect_with_backoff_reaches_a_server_that_starts_later() -> None:
+    port = _free_port()
+    accepted = trio.Event()
+
+    async def handler(stream: trio.SocketStream) -> None:
+        accepted.set()
+        await stream.aclose()
+
+    with capture_logs() as logs, trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+
+            async def start_server_later() -> None:
+                await trio.sleep(0.3)
+                await nursery.start(partial(trio.serve_tcp, handler, port, host="127.0.0.1"))
+
+            nursery.start_soon(start_server_later)
+            t0 = trio.current_time()
+            stream = await connect_with_backoff(
+                "127.0.0.1", port, initial=0.02, maximum=0.08, rng=random.Random(0)
+            )
+            assert trio.current_time() - t0 >= 0.3
+            await accepted.wait()
+            await stream.aclose()
+            nursery.cancel_scope.cancel()
+    retries = [e for e in logs if e["event"] == "peer.connect_retry"]
+    assert retries and retries[0]["attempt"] == 1 and retries[0]["port"] == port
+    assert all(e["retry_in_s"] <= 0.08 for e in retries)
+    assert any(e["event"] == "peer.connect_ok" for e in logs)
+
+
+async def test_connect_with_backoff_gives_up_and_is_cancellable(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    port = _free_port()
+    with pytest.raises(PeerUnavailable, match=f"cannot connect to peer 127.0.0.1:{port} after 3 attempts"):
+        await connect_with_backoff("127.0.0.1", port, initial=1, maximum=2, max_attempts=3)
+    t0 = trio.current_time()
+    with trio.move_on_after(30) as scope:
+        await connect_with_backoff("127.0.0.1", port, initial=1, maximum=4, jitter=0)
+    assert scope.cancelled_caught and trio.current_time() - t0 == pytest.approx(30)
