@@ -1,0 +1,554 @@
+"""The regroup planner: which bytes of which ctx rank's pool go where in which gen rank's pool.
+
+:func:`plan` is pure (no torch, no I/O): it turns the two sides' :class:`KVLayout` and the
+request's block ids into, for every (ctx rank, gen rank) pair that moves bytes, an int64
+array of fragments ``(src byte offset, dst byte offset, nbytes)``.
+
+How it works, and why it is fast. A request is the logical tensor
+``[token, layer, kv, head, dim]``. Each side stores it in per-rank pools whose axes are in
+some order (``axis_order``, C-contiguous), so every logical axis has a byte *stride* on each
+side, except ``token``, which is split into (block id, slot). For a pair the moved region is
+a box: a layer range (PP ownership), a head range (TP / attention-DP ownership), ``kv``,
+all tokens and ``dim``. Starting from ``dim`` (always innermost, so a head vector is always
+contiguous), every box axis whose stride equals the current run length on *both* sides is
+absorbed into the run; what is left is a small grid of equal-length runs whose offsets are an
+outer sum of per-axis offset vectors (numpy broadcasting, no per-fragment Python). A final
+vectorized pass merges consecutive runs that are contiguous on both sides (consecutive block
+ids with whole-block runs, for instance). The GPT-OSS-120B case (TP1 -> TP4, 256 blocks,
+73,728 fragments) plans in about 2 ms on one CPU core.
+
+Tokens: token ``t`` of the request lives in each side's block ``t // tokens_per_block`` at slot
+``t % tokens_per_block``. When the two sides' ``tokens_per_block`` differ (one must divide the
+other) the planner walks the request in sub-blocks of the smaller size. The request covers
+``min(ctx token slots, gen token slots)`` tokens; each side must name exactly the blocks
+needed for that many tokens.
+
+Replication: when TP > num_kv_heads a head has several holders. A gen replica is a
+destination like any other (every replica is written); a ctx replica is a source, and each
+(head, gen rank) is read from exactly ONE ctx replica, chosen as ``gen tp_rank % replicas``
+so that reads spread over the replicas and equal layouts map rank to rank.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from protocol.errors import BadRequest, IncompatibleLayout
+from protocol.layout import KVLayout
+
+__all__ = [
+    "Box",
+    "FragmentCopier",
+    "KVLayout",
+    "Plan",
+    "Pool",
+    "copy_fragments",
+    "plan",
+    "pool_strides",
+    "row_indices",
+    "row_size",
+]
+
+Int64Array = npt.NDArray[np.int64]
+#: A rank's pool as seen by :meth:`Plan.apply`: a contiguous uint8 torch tensor or numpy array
+#: (any shape; it is viewed as flat bytes). Typed loosely so plan.py does not import torch.
+Pool = Any
+
+_EMPTY = np.zeros((0, 3), dtype=np.int64)
+
+
+def pool_strides(layout: KVLayout, rank: int) -> dict[str, int]:
+    """Byte stride of every axis of rank ``rank``'s (C-contiguous) pool."""
+    sizes = layout.local_shape(rank)
+    strides: dict[str, int] = {}
+    step = layout.itemsize
+    for axis in reversed(layout.axis_order):
+        strides[axis] = step
+        step *= sizes[axis]
+    return strides
+
+
+@dataclass(frozen=True, slots=True)
+class Box:
+    """The region one (src rank, dst rank) pair moves, in global layer/head coordinates."""
+
+    src: int
+    dst: int
+    layers: tuple[int, int]  # half-open global layer range
+    heads: tuple[int, int]  # half-open global head range
+    src_layer0: int  # first global layer of the src rank's pool
+    dst_layer0: int
+    src_head0: int  # first global head of the src rank's pool
+    dst_head0: int
+
+
+class Plan:
+    """Fragments for every (ctx rank, gen rank) pair of one request. Build with :func:`plan`."""
+
+    def __init__(
+        self,
+        ctx: KVLayout,
+        gen: KVLayout,
+        ctx_blocks: dict[int, Int64Array],
+        gen_blocks: dict[int, Int64Array],
+        num_tokens: int,
+        fragments: dict[tuple[int, int], Int64Array],
+        boxes: dict[tuple[int, int], Box],
+    ) -> None:
+        self.ctx = ctx
+        self.gen = gen
+        #: The request's block ids per rank, as validated int64 arrays.
+        self.ctx_blocks = ctx_blocks
+        self.gen_blocks = gen_blocks
+        #: Tokens moved: min(ctx token slots, gen token slots) of the request's blocks.
+        self.num_tokens = num_tokens
+        self._fragments = fragments
+        self._boxes = boxes
+        self._pairs = sorted(fragments)
+        self._copiers: dict[tuple[int, int], FragmentCopier] = {}
+
+    def __repr__(self) -> str:
+        return (
+            f"Plan(pairs={len(self._pairs)}, fragments={sum(len(f) for f in self._fragments.values())}, "
+            f"bytes={self.total_bytes()}, tokens={self.num_tokens})"
+        )
+
+    # -- queries ---------------------------------------------------------------------------
+    def pairs(self) -> list[tuple[int, int]]:
+        """(src_rank, dst_rank) pairs that move bytes, sorted."""
+        return list(self._pairs)
+
+    def fragments(self, s: int, d: int) -> Int64Array:
+        """int64 array (N, 3): (src byte offset in rank s's pool, dst byte offset in rank d's
+        pool, nbytes). Empty (0, 3) for a pair that moves nothing. Do not modify it."""
+        return self._fragments.get((s, d), _EMPTY)
+
+    def box(self, s: int, d: int) -> Box | None:
+        """The layer/head region pair (s, d) moves, or None."""
+        return self._boxes.get((s, d))
+
+    def src_ranks(self) -> list[int]:
+        """ctx ranks that send bytes, sorted."""
+        return sorted({s for s, _ in self._pairs})
+
+    def dst_ranks(self) -> list[int]:
+        """gen ranks that receive bytes, sorted."""
+        return sorted({d for _, d in self._pairs})
+
+    def total_bytes(self, s: int | None = None, d: int | None = None) -> int:
+        """Bytes moved, over all pairs or those with the given src and/or dst rank."""
+        return sum(
+            int(f[:, 2].sum())
+            for (ps, pd), f in self._fragments.items()
+            if (s is None or ps == s) and (d is None or pd == d)
+        )
+
+    def num_fragments(self, s: int | None = None, d: int | None = None) -> int:
+        """Fragments, over all pairs or those with the given src and/or dst rank."""
+        return sum(
+            len(f)
+            for (ps, pd), f in self._fragments.items()
+            if (s is None or ps == s) and (d is None or pd == d)
+        )
+
+    def is_direct(self, s: int, d: int) -> bool:
+        """True when pair (s, d) moves whole blocks: both pools have the same axis order and
+        tokens per block, and the pair covers all layers and heads of both ranks' pools, so
+        every source block maps byte for byte onto a destination block (no regroup)."""
+        box = self._boxes.get((s, d))
+        if box is None:
+            return False
+        if (
+            self.ctx.axis_order != self.gen.axis_order
+            or self.ctx.tokens_per_block != self.gen.tokens_per_block
+        ):
+            return False
+        src_shape = self.ctx.local_shape(s)
+        dst_shape = self.gen.local_shape(d)
+        nl = box.layers[1] - box.layers[0]
+        nh = box.heads[1] - box.heads[0]
+        return src_shape["layer"] == dst_shape["layer"] == nl and src_shape["head"] == dst_shape["head"] == nh
+
+    @property
+    def direct(self) -> bool:
+        """True when every pair is direct (equal layouts): whole blocks move, no regroup."""
+        return bool(self._pairs) and all(self.is_direct(s, d) for s, d in self._pairs)
+
+    # -- execution -------------------------------------------------------------------------
+    def apply(self, src_pools: Mapping[int, Pool], dst_pools: Mapping[int, Pool]) -> None:
+        """Copy the request's bytes straight from ``src_pools[s]`` into ``dst_pools[d]`` for
+        every pair (the direct path, and the reference in tests). Pools are contiguous uint8
+        torch tensors (CPU or CUDA) or numpy arrays, viewed as flat bytes."""
+        for s, d in self._pairs:
+            self.copier(s, d).copy(src_pools[s], dst_pools[d])
+
+    def copier(self, s: int, d: int) -> FragmentCopier:
+        """Pair (s, d)'s :class:`FragmentCopier` (row indices built on first use, then cached)."""
+        c = self._copiers.get((s, d))
+        if c is None:
+            c = self._copiers[(s, d)] = FragmentCopier(self.fragments(s, d))
+        return c
+
+
+# -- building a plan --------------------------------------------------------------------------
+
+
+def _check_compatible(ctx: KVLayout, gen: KVLayout) -> None:
+    for name in ("num_layers", "num_kv_heads", "head_dim", "dtype"):
+        a, b = getattr(ctx, name), getattr(gen, name)
+        if a != b:
+            raise IncompatibleLayout(f"{name} differs: ctx {name}={a!r}, gen {name}={b!r}")
+    a, b = ctx.tokens_per_block, gen.tokens_per_block
+    if max(a, b) % min(a, b):
+        raise IncompatibleLayout(
+            f"tokens_per_block mix is unsupported: ctx tokens_per_block={a}, gen tokens_per_block={b}; "
+            "one must divide the other"
+        )
+
+
+def _check_blocks(side: str, layout: KVLayout, blocks: Mapping[int, Iterable[int]]) -> dict[int, Int64Array]:
+    """Validate one side's ``{rank: block ids}``; return int64 arrays."""
+    if not isinstance(blocks, Mapping):
+        raise BadRequest(
+            f"{side}_blocks must be a mapping {{rank: [block id, ...]}}, got {type(blocks).__name__}"
+        )
+    world = layout.world_size
+    out: dict[int, Int64Array] = {}
+    for rank, ids in blocks.items():
+        if not isinstance(rank, int | np.integer) or isinstance(rank, bool) or not 0 <= rank < world:
+            raise BadRequest(f"{side}_blocks names rank {rank!r}, outside the layout's ranks [0, {world})")
+        try:
+            arr = np.asarray(list(ids) if not isinstance(ids, np.ndarray) else ids)
+        except TypeError as exc:
+            raise BadRequest(f"{side} rank {rank}: block ids must be a sequence of integers") from exc
+        if arr.size == 0:
+            arr = arr.astype(np.int64)
+        if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
+            raise BadRequest(
+                f"{side} rank {rank}: block ids must be a flat sequence of integers, got {arr.dtype}"
+            )
+        arr = arr.astype(np.int64)
+        if arr.size:
+            lo, hi = int(arr.min()), int(arr.max())
+            if layout.num_blocks < 1:
+                raise BadRequest(
+                    f"{side} layout has num_blocks={layout.num_blocks}; the planner needs the pool size"
+                )
+            if lo < 0 or hi >= layout.num_blocks:
+                bad = lo if lo < 0 else hi
+                raise BadRequest(
+                    f"{side} rank {rank}: block id {bad} out of range [0, {layout.num_blocks}) (num_blocks)"
+                )
+            if np.unique(arr).size != arr.size:
+                vals, counts = np.unique(arr, return_counts=True)
+                raise BadRequest(f"{side} rank {rank}: duplicate block id {int(vals[counts > 1][0])}")
+        out[int(rank)] = arr
+    if not out:
+        raise BadRequest(f"{side}_blocks names no rank")
+    tp = layout.tp_size
+    for stage in range(layout.pp_size):
+        named = [r for r in out if r // tp == stage]
+        if layout.attention_dp:
+            if not named:
+                raise BadRequest(
+                    f"{side}_blocks names no rank of PP stage {stage} (attention DP: name the DP rank)"
+                )
+            if side == "ctx" and len(named) > 1:
+                raise BadRequest(
+                    f"ctx_blocks names ranks {sorted(named)} of PP stage {stage}; with ctx attention DP the "
+                    "request lives on exactly one DP rank per stage"
+                )
+        else:
+            missing = [r for r in range(stage * tp, (stage + 1) * tp) if r not in out]
+            if missing:
+                raise BadRequest(
+                    f"{side}_blocks lacks rank(s) {missing}: every rank of the layout holds the request"
+                )
+    sizes = {r: a.size for r, a in out.items()}
+    if len(set(sizes.values())) > 1:
+        raise BadRequest(
+            f"{side} ranks hold different numbers of blocks {dict(sorted(sizes.items()))}; every rank holds "
+            "all of the request's tokens"
+        )
+    return out
+
+
+def _sources(
+    ctx: KVLayout, ctx_ranks: Iterable[int], stage: int, heads: tuple[int, int], dst_tp: int
+) -> list[tuple[int, int, int]]:
+    """ctx ranks of PP stage ``stage`` that supply ``heads`` to a gen rank of TP rank ``dst_tp``:
+    [(src rank, first head, end head)], each head exactly once."""
+    tp = ctx.tp_size
+    if ctx.attention_dp:
+        (src,) = [r for r in ctx_ranks if r // tp == stage]  # validated: exactly one
+        return [(src, heads[0], heads[1])]
+    out: list[tuple[int, int, int]] = []
+    if tp <= ctx.num_kv_heads:
+        per = ctx.num_kv_heads // tp
+        for tc in range(heads[0] // per, (heads[1] - 1) // per + 1):
+            lo, hi = max(heads[0], tc * per), min(heads[1], (tc + 1) * per)
+            out.append((stage * tp + tc, lo, hi))
+    else:
+        rep = tp // ctx.num_kv_heads
+        for h in range(heads[0], heads[1]):
+            # One source per (head, gen rank); spread reads over the replicas.
+            out.append((stage * tp + h * rep + dst_tp % rep, h, h + 1))
+    return out
+
+
+def _coalesce(src: Int64Array, dst: Int64Array, run: int) -> Int64Array:
+    """Merge consecutive equal-length runs that are contiguous on both sides -> (N, 3)."""
+    n = src.size
+    if n == 0:
+        return _EMPTY
+    brk = np.empty(n, dtype=bool)
+    brk[0] = True
+    np.not_equal(src[1:], src[:-1] + run, out=brk[1:])
+    brk[1:] |= dst[1:] != dst[:-1] + run
+    starts = np.flatnonzero(brk)
+    out = np.empty((starts.size, 3), dtype=np.int64)
+    out[:, 0] = src[starts]
+    out[:, 1] = dst[starts]
+    out[:-1, 2] = np.diff(starts)
+    out[-1, 2] = n - starts[-1]
+    out[:, 2] *= run
+    return out
+
+
+def _pair_fragments(
+    box: Box,
+    ctx: KVLayout,
+    gen: KVLayout,
+    src_strides: dict[str, int],
+    dst_strides: dict[str, int],
+    src_chunk_off: Int64Array,
+    dst_chunk_off: Int64Array,
+    sub: int,
+) -> Int64Array:
+    nl = box.layers[1] - box.layers[0]
+    nh = box.heads[1] - box.heads[0]
+    src_base = (box.layers[0] - box.src_layer0) * src_strides["layer"] + (
+        box.heads[0] - box.src_head0
+    ) * src_strides["head"]
+    dst_base = (box.layers[0] - box.dst_layer0) * dst_strides["layer"] + (
+        box.heads[0] - box.dst_head0
+    ) * dst_strides["head"]
+    # Regular axes of the box: (count, src stride, dst stride). Axes of count 1 contribute only
+    # their start (in the bases), and dropping them keeps strides distinct, so the greedy
+    # absorption below is unambiguous.
+    axes = [
+        (n, src_strides[a], dst_strides[a])
+        for a, n in (("layer", nl), ("kv", 2), ("head", nh), ("token", sub))
+        if n > 1
+    ]
+    run = ctx.head_dim * ctx.itemsize
+    absorbed = True
+    while absorbed:
+        absorbed = False
+        for i, (n, ss, ds) in enumerate(axes):
+            if ss == run and ds == run:
+                run *= n
+                del axes[i]
+                absorbed = True
+                break
+    # Enumerate the remaining grid slowest-first in destination order (so that runs contiguous
+    # in the destination end up adjacent and the coalescing pass can merge them). The chunk
+    # axis (blocks, irregular offsets) sits where the destination's block axis sits.
+    grid: list[tuple[int, Int64Array, Int64Array]] = [
+        (ds, np.arange(n, dtype=np.int64) * ss, np.arange(n, dtype=np.int64) * ds) for n, ss, ds in axes
+    ]
+    grid.append((dst_strides["block"], src_chunk_off, dst_chunk_off))
+    grid.sort(key=lambda g: -g[0])
+    src = np.array([src_base], dtype=np.int64)
+    dst = np.array([dst_base], dtype=np.int64)
+    for _, sv, dv in grid:
+        src = np.add.outer(src, sv).ravel()
+        dst = np.add.outer(dst, dv).ravel()
+    return _coalesce(src, dst, run)
+
+
+def plan(
+    ctx: KVLayout,
+    gen: KVLayout,
+    ctx_blocks: Mapping[int, Sequence[int] | Int64Array],
+    gen_blocks: Mapping[int, Sequence[int] | Int64Array],
+) -> Plan:
+    """Plan moving one request's KV from the ctx layout to the gen layout.
+
+    ``*_blocks`` maps rank (``pp_rank * tp_size + tp_rank``) to the block ids of the request's
+    0th, 1st, ... block in that rank's pool. Non-attention-DP layouts must name every rank;
+    attention-DP layouts name the DP rank(s) the request lives on (ctx: exactly one per PP
+    stage; gen: one or more, each gets all heads). All ranks of a side hold the same number of
+    blocks.
+
+    Raises :class:`IncompatibleLayout` when the layouts cannot be regrouped into each other
+    (different num_layers / num_kv_heads / head_dim / dtype, or tokens_per_block where neither
+    divides the other) and :class:`BadRequest` for bad block ids or rank sets.
+    """
+    _check_compatible(ctx, gen)
+    cb = _check_blocks("ctx", ctx, ctx_blocks)
+    gb = _check_blocks("gen", gen, gen_blocks)
+    n_ctx = next(iter(cb.values())).size
+    n_gen = next(iter(gb.values())).size
+    tpb_c, tpb_g = ctx.tokens_per_block, gen.tokens_per_block
+    tokens = min(n_ctx * tpb_c, n_gen * tpb_g)
+    if -(-tokens // tpb_c) != n_ctx or -(-tokens // tpb_g) != n_gen:
+        raise BadRequest(
+            f"ctx and gen hold different token counts: ctx has {n_ctx} blocks x {tpb_c} tokens = "
+            f"{n_ctx * tpb_c} token slots, gen has {n_gen} blocks x {tpb_g} tokens = {n_gen * tpb_g}"
+        )
+
+    # Walk the request in sub-blocks of the smaller tokens_per_block; a larger block holds k of them.
+    sub = min(tpb_c, tpb_g)
+    nsub = tokens // sub
+    c_idx = np.arange(nsub, dtype=np.int64)
+
+    def chunk_offsets(layout: KVLayout, strides: dict[str, int], ids: Int64Array) -> Int64Array:
+        k = layout.tokens_per_block // sub
+        if k == 1:
+            return ids[:nsub] * strides["block"]
+        off: Int64Array = ids[c_idx // k] * strides["block"] + (c_idx % k) * (sub * strides["token"])
+        return off
+
+    src_strides = {r: pool_strides(ctx, r) for r in cb}
+    dst_strides = {r: pool_strides(gen, r) for r in gb}
+    src_off = {r: chunk_offsets(ctx, src_strides[r], cb[r]) for r in cb}
+    dst_off = {r: chunk_offsets(gen, dst_strides[r], gb[r]) for r in gb}
+
+    fragments: dict[tuple[int, int], Int64Array] = {}
+    boxes: dict[tuple[int, int], Box] = {}
+    if nsub:
+        for d in sorted(gb):
+            g_stage, g_tp = divmod(d, gen.tp_size)
+            g_layers = gen.layer_range(g_stage)
+            g_heads = gen.head_range(g_tp)
+            for c_stage in range(ctx.pp_size):
+                c_layers = ctx.layer_range(c_stage)
+                layers = (max(g_layers[0], c_layers[0]), min(g_layers[1], c_layers[1]))
+                if layers[0] >= layers[1]:
+                    continue
+                for s, h0, h1 in _sources(ctx, cb, c_stage, g_heads, g_tp):
+                    box = Box(
+                        src=s,
+                        dst=d,
+                        layers=layers,
+                        heads=(h0, h1),
+                        src_layer0=c_layers[0],
+                        dst_layer0=g_layers[0],
+                        src_head0=ctx.head_range(s % ctx.tp_size)[0],
+                        dst_head0=g_heads[0],
+                    )
+                    boxes[(s, d)] = box
+                    fragments[(s, d)] = _pair_fragments(
+                        box, ctx, gen, src_strides[s], dst_strides[d], src_off[s], dst_off[d], sub
+                    )
+    return Plan(ctx, gen, cb, gb, tokens, fragments, boxes)
+
+
+# -- executing fragments ----------------------------------------------------------------------
+
+
+def row_indices(offsets: Int64Array, nbytes: Int64Array, row: int) -> Int64Array:
+    """Indices of the ``row``-byte rows covering fragments ``(offsets[i], nbytes[i])``, in
+    fragment order. ``row`` must divide every offset and length."""
+    counts = nbytes // row
+    total = int(counts.sum())
+    if total == 0:
+        return np.zeros(0, dtype=np.int64)
+    # idx[j] = first_row[frag(j)] + (j - first position of frag(j)): one repeat + one arange.
+    starts = np.cumsum(counts) - counts
+    idx: Int64Array = np.repeat(offsets // row - starts, counts) + np.arange(total, dtype=np.int64)
+    return idx
+
+
+def row_size(*arrays: Int64Array, limit: int = 0) -> int:
+    """Largest row size (bytes) dividing every value of ``arrays`` (and ``limit`` if given)."""
+    g = limit
+    for a in arrays:
+        if a.size:
+            g = math.gcd(g, int(np.gcd.reduce(a)))
+    return g or 1
+
+
+#: Bytes a :class:`FragmentCopier` moves per indexed copy on CPU. It bounds the scratch buffer:
+#: glibc maps allocations above 32 MiB fresh each time, and first-touch page faults then
+#: dominate (GPT-OSS direct apply on the 2-core dev box: 2.9 GB/s with 32 MiB steps, 1.2 with
+#: 64 MiB ones); 16 MiB stays in the heap.
+APPLY_STEP_BYTES = 16 << 20
+#: The same on CUDA, where the caching allocator reuses memory: fewer, larger steps.
+APPLY_STEP_BYTES_CUDA = 256 << 20
+
+
+class FragmentCopier:
+    """Row indices of one fragment list (N, 3), built once; :meth:`copy` then moves the bytes
+    from a source pool to a destination pool with indexed row copies.
+
+    Rows are R = gcd(all offsets and lengths) bytes, so the index has total/R entries (R = 8 KiB
+    for the GPT-OSS regroup), never one per byte; the copy goes through a scratch buffer of at
+    most ``APPLY_STEP_BYTES`` (``APPLY_STEP_BYTES_CUDA``) and Python loops once per step, not per fragment. Device copies
+    of the index are cached per device."""
+
+    def __init__(self, frags: Int64Array) -> None:
+        self.nbytes = int(frags[:, 2].sum()) if frags.size else 0
+        self.row = row_size(frags[:, 0], frags[:, 1], frags[:, 2]) if frags.size else 1
+        self.src_index = row_indices(frags[:, 0], frags[:, 2], self.row) if frags.size else _EMPTY[:, 0]
+        self.dst_index = row_indices(frags[:, 1], frags[:, 2], self.row) if frags.size else _EMPTY[:, 0]
+        self._device_index: dict[str, tuple[Any, Any]] = {}
+
+    def copy(self, src_pool: Pool, dst_pool: Pool) -> None:
+        """Copy into ``dst_pool`` (same kind as ``src_pool``: both numpy or both torch; torch
+        pools may be on different devices)."""
+        if self.nbytes == 0:
+            return
+        r, si, di = self.row, self.src_index, self.dst_index
+        step = max(1, APPLY_STEP_BYTES // r)
+        if isinstance(src_pool, np.ndarray):
+            src_rows = _np_rows(src_pool, r)
+            dst_rows = _np_rows(dst_pool, r)
+            scratch = np.empty((min(step, si.size), r), dtype=np.uint8)
+            for k in range(0, si.size, step):
+                n = min(step, si.size - k)
+                np.take(src_rows, si[k : k + n], axis=0, out=scratch[:n])
+                dst_rows[di[k : k + n]] = scratch[:n]
+            return
+        import torch
+
+        from kvd.stager import elem_width, torch_rows  # torch only where torch pools are used
+
+        w = elem_width(r, src_pool, dst_pool)
+        src_t = torch_rows(src_pool, r, w)
+        dst_t = torch_rows(dst_pool, r, w)
+        key = f"{src_t.device}>{dst_t.device}"
+        idx = self._device_index.get(key)
+        if idx is None:
+            idx = self._device_index[key] = (
+                torch.from_numpy(si).to(src_t.device),
+                torch.from_numpy(di).to(dst_t.device),
+            )
+        sidx, didx = idx
+        if src_t.device.type == "cuda":
+            step = max(1, APPLY_STEP_BYTES_CUDA // r)
+        buf = torch.empty((min(step, si.size), r // w), dtype=src_t.dtype, device=src_t.device)
+        for k in range(0, si.size, step):
+            n = min(step, si.size - k)
+            torch.index_select(src_t, 0, sidx[k : k + n], out=buf[:n])
+            dst_t.index_copy_(0, didx[k : k + n], buf[:n].to(dst_t.device))
+
+
+def copy_fragments(frags: Int64Array, src_pool: Pool, dst_pool: Pool) -> None:
+    """One-off :meth:`FragmentCopier.copy` of fragments (N, 3) from ``src_pool`` to ``dst_pool``."""
+    FragmentCopier(frags).copy(src_pool, dst_pool)
+
+
+def _np_rows(pool: npt.NDArray[Any], row: int) -> npt.NDArray[Any]:
+    if not pool.flags.c_contiguous:
+        raise ValueError("pool must be C-contiguous (a non-contiguous reshape would copy)")
+    flat = pool.reshape(-1).view(np.uint8)
+    n = flat.size // row
+    return flat[: n * row].reshape(n, row)
