@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterator
+from functools import partial
 
 import numpy as np
 import numpy.typing as npt
@@ -137,7 +138,7 @@ async def test_notification_from_peer_reaches_poller(writer: Writer, peer: PeerP
 
     with trio.fail_after(20):
         async with trio.open_nursery() as nursery:
-            await nursery.start(poll_notifications, writer.agent, on_notif)
+            await nursery.start(partial(poll_notifications, writer.agent, on_notif, hot=lambda: True))
             await trio.to_thread.run_sync(peer.send_notif, "test-writer", b"hello")
             await trio.to_thread.run_sync(peer.send_notif, "test-writer", b"again")
             await arrived.wait()
@@ -194,6 +195,8 @@ def test_descriptor_validation(writer: Writer) -> None:
         writer.agent.write([(writer.addr, 4096)], [(writer.addr, 8192)], "test-target")
     with pytest.raises(BadRequest, match="2 local descriptors but 1 remote"):
         writer.agent.write([(writer.addr, 1), (writer.addr + 1, 1)], [(writer.addr, 1)], "test-target")
+    with pytest.raises(BadRequest, match="positive"):
+        writer.agent.write([(writer.addr, 0)], [(writer.addr, 0)], "test-target")
     with pytest.raises(BadRequest, match="at least one descriptor"):
         writer.agent.write([], [], "test-target")
     with pytest.raises(BadRequest, match="shape"):
@@ -213,7 +216,8 @@ def test_region_validation() -> None:
 async def test_cancel_in_flight_write_releases_it(peer: PeerProcess) -> None:
     """Over UCX tcp the post returns PROC; cancelling the wait cancels the transfer.
 
-    The cancelled write's notification never arrives; the next write works.
+    The cancelled write's notification does not arrive (unless it was already finishing);
+    the next write works.
     """
     w = Writer("test-writer-tcp", SRC_BYTES, env={"UCX_TLS": "tcp"})
     try:
@@ -222,7 +226,7 @@ async def test_cancel_in_flight_write_releases_it(peer: PeerProcess) -> None:
         await trio.to_thread.run_sync(peer.notifications)
         handle = w.agent.write([(w.addr, SRC_BYTES)], [(peer.addr, SRC_BYTES)], "test-target", b"cancelled")
         assert handle.posted == "PROC"
-        with trio.move_on_after(0.005) as scope:
+        with trio.move_on_after(0.001) as scope:
             await w.agent.wait(handle)
         assert scope.cancelled_caught
         assert handle.released and not handle.done
@@ -231,7 +235,9 @@ async def test_cancel_in_flight_write_releases_it(peer: PeerProcess) -> None:
         got = await trio.to_thread.run_sync(peer.wait_notifs, 1)
         await trio.sleep(0.2)
         got += await trio.to_thread.run_sync(peer.notifications)
-        assert got == [("test-writer-tcp", b"after")]
+        # normally the cancelled write never notifies; if it was already finishing, it may
+        assert got[-1] == ("test-writer-tcp", b"after")
+        assert got[:-1] in ([], [("test-writer-tcp", b"cancelled")])
     finally:
         w.agent.close()
 

@@ -11,6 +11,10 @@ Progress and polling
     must keep calling into its agent too, or a standalone :meth:`NixlAgent.send_notif` is never
     flushed. The daemon therefore runs ONE :func:`poll_notifications` task per agent for the
     agent's whole life; :meth:`NixlAgent.wait` drives progress for the transfer it waits on.
+    The *receiver's* poll rate bounds the *sender's* completion latency: a 1 MiB host write
+    completes in ≈0.2 ms when the target polls without pause, ≈3 ms when it polls every
+    millisecond (and trio cannot sleep less than ≈1.1 ms) — so the poller spins (``hot``)
+    while transfers into this daemon are in progress.
 
 Posting is sometimes the copy
     On host memory UCX moves puts with ``cma`` (``process_vm_writev``): ``transfer()`` does the
@@ -29,8 +33,9 @@ Thread safety
 Releasing an in-flight transfer
     ``release`` of a handle whose transfer is still "PROC" *cancels* it: UCX cancels the
     outstanding requests (UCX logs "UCX AM send failed ... Request canceled"), the release
-    succeeds, the notification of that write is never delivered, and the destination bytes are
-    undefined (partly written). Later transfers to the same remote agent work normally. A
+    succeeds, the notification of that write is not delivered (unless the write was already
+    finishing: then it may still arrive), and the destination bytes are undefined (partly
+    written). Later transfers to the same remote agent work normally. A
     backend that cannot cancel makes the release fail; :meth:`NixlAgent.wait` then keeps
     polling (shielded, bounded) until the transfer ends and releases it then.
 
@@ -273,6 +278,9 @@ def _nixl_error(op: str, exc: BaseException, hint: str = "") -> NixlError:
     return NixlError(msg)
 
 
+_SMALL_LIST = 16
+
+
 def _desc_array(descs: Descs, device: int) -> npt.NDArray[np.uint64]:
     """(addr, nbytes) pairs → NIXL's (N, 3) uint64 ``(addr, len, dev)`` array."""
     if isinstance(descs, np.ndarray):
@@ -464,18 +472,40 @@ class NixlAgent:
     ) -> XferHandle:
         """Create (not post) a WRITE of ``local[i]`` into ``remote[i]`` on ``remote_agent``."""
         self._check_open()
-        la = _desc_array(local, local_device)
-        ra = _desc_array(remote, remote_device)
-        if la.shape[0] != ra.shape[0]:
-            raise BadRequest(f"{la.shape[0]} local descriptors but {ra.shape[0]} remote ones")
-        if not np.array_equal(la[:, 1], ra[:, 1]):
-            raise BadRequest("local and remote descriptors must have equal lengths, pairwise")
-        op = f"create WRITE of {int(la[:, 1].sum())} bytes in {la.shape[0]} descriptors to agent {remote_agent!r}"
+        ln: Any
+        rn: Any
+        if (
+            not isinstance(local, np.ndarray)
+            and not isinstance(remote, np.ndarray)
+            and 0 < len(local) <= _SMALL_LIST
+        ):
+            # few descriptors: NIXL's tuple path is ~4x cheaper than building arrays (7 vs 29 µs)
+            ldev, rdev = _nixl_dev(local_device), _nixl_dev(remote_device)
+            ln = [(int(a), int(n), ldev) for a, n in local]
+            rn = [(int(a), int(n), rdev) for a, n in remote]
+            count = len(ln)
+            if len(rn) != count:
+                raise BadRequest(f"{count} local descriptors but {len(rn)} remote ones")
+            if any(x[1] != y[1] for x, y in zip(ln, rn, strict=True)):
+                raise BadRequest("local and remote descriptors must have equal lengths, pairwise")
+            if any(x[1] <= 0 for x in ln):
+                raise BadRequest("descriptor lengths must be positive")
+            nbytes = sum(x[1] for x in ln)
+        else:
+            ln = _desc_array(local, local_device)
+            rn = _desc_array(remote, remote_device)
+            count = int(ln.shape[0])
+            if rn.shape[0] != count:
+                raise BadRequest(f"{count} local descriptors but {rn.shape[0]} remote ones")
+            if not np.array_equal(ln[:, 1], rn[:, 1]):
+                raise BadRequest("local and remote descriptors must have equal lengths, pairwise")
+            nbytes = int(ln[:, 1].sum())
+        op = f"create WRITE of {nbytes} bytes in {count} descriptors to agent {remote_agent!r}"
         try:
-            ld = self._agent.get_xfer_descs(la, local_mem)
-            rd = self._agent.get_xfer_descs(ra, remote_mem)
+            ld = self._agent.get_xfer_descs(ln, local_mem)
+            rd = self._agent.get_xfer_descs(rn, remote_mem)
             if ld is None or rd is None:
-                raise NixlError(f"{op} failed: NIXL refused the descriptor arrays")
+                raise NixlError(f"{op} failed: NIXL refused the descriptor lists")
             h = self._agent.initialize_xfer("WRITE", ld, rd, remote_agent, notif)
         except NixlError:
             raise
@@ -483,7 +513,7 @@ class NixlAgent:
             raise _nixl_error(
                 op, exc, self._create_hint(remote_agent) if type(exc).__name__ == "nixlNotFoundError" else ""
             ) from exc
-        return XferHandle(remote_agent, int(la[:, 1].sum()), int(la.shape[0]), bytes(notif), h)
+        return XferHandle(remote_agent, nbytes, count, bytes(notif), h)
 
     def post(self, handle: XferHandle) -> XferState:
         """Post a created transfer. On host memory (UCX ``cma``) this does the copy itself."""
@@ -708,13 +738,14 @@ class NixlAgent:
             self.release(handle)
 
     async def wait(
-        self, handle: XferHandle, *, poll: float = 0.001, spin: float = 0.0005, release: bool = True
+        self, handle: XferHandle, *, poll: float = 0.001, spin: float = 0.002, release: bool = True
     ) -> None:
         """Wait for a posted transfer without blocking the event loop.
 
-        Checks the state, then yields with ``trio.sleep(0)`` for ``spin`` seconds, then sleeps
-        with a doubling interval capped at ``poll`` (trio's sleeps are ms-granular under epoll,
-        so anything between 0 and 1 ms rounds up). The caller's deadline/cancel scope applies.
+        Checks the state, then yields with ``trio.sleep(0)`` (≈4 µs a round) for ``spin``
+        seconds, then sleeps with a doubling interval capped at ``poll`` (trio's sleeps are
+        ms-granular under epoll: anything between 0 and 1 ms takes ≈1.1 ms). The caller's
+        deadline/cancel scope applies.
         On success the handle is released (unless ``release=False``); on failure or cancellation
         it is released too — cancelling a transfer still in flight (see the module docstring).
         """
@@ -817,21 +848,27 @@ async def poll_notifications(
     on_notif: Callable[[str, bytes], object],
     *,
     idle_poll: float = 0.001,
-    spin: float = 0.0005,
+    spin: float = 0.002,
+    hot: Callable[[], bool] | None = None,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Drain ``agent``'s notifications forever, calling ``on_notif(remote_agent, msg)`` for each.
 
     Run exactly one per agent for its whole life (without the progress thread this poll is
-    what drives UCX). After activity it yields with ``trio.sleep(0)`` for ``spin`` seconds,
-    then sleeps ``idle_poll`` between polls. ``on_notif`` must not block (use a memory
-    channel's ``send_nowait``). Skips polling while a worker thread is inside the agent.
+    what drives UCX). It polls with ``trio.sleep(0)`` between calls (a "spin": ≈4 µs per
+    round, one core busy) while ``hot()`` is true (e.g. "a transfer into us is in progress")
+    and for ``spin`` seconds after the last notification; otherwise every ``idle_poll``
+    seconds. Sub-millisecond sleeps are pointless: trio rounds them up to ≈1.1 ms under epoll.
+    The poll rate of the *receiving* agent bounds the *sender's* completion latency: a 1 MiB
+    host write completes in ≈0.2 ms when the target spins, ≈3 ms when it polls every ms.
+    ``on_notif`` must not block (use a memory channel's ``send_nowait``). Polling pauses
+    while a worker thread is inside the agent (:attr:`NixlAgent.busy`).
     """
     task_status.started()
     last_activity = time.monotonic()
     while True:
         if agent.busy:
-            await trio.sleep(idle_poll)
+            await trio.sleep(0 if hot is not None and hot() else idle_poll)
             continue
         notifs = agent.notifications()
         now = time.monotonic()
@@ -840,7 +877,7 @@ async def poll_notifications(
             for remote, msgs in notifs.items():
                 for msg in msgs:
                     on_notif(remote, msg)
-        if now - last_activity < spin:
+        if now - last_activity < spin or (hot is not None and hot()):
             await trio.sleep(0)
         else:
             await trio.sleep(idle_poll)
