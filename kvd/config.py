@@ -97,6 +97,8 @@ class TransferConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
     deadline_s: float = 60.0  # default per-transfer deadline
     bounce_wait_s: float = 5.0  # how long to wait for credits before per-fragment fallback
     nixl_progress_thread: bool = False  # DESIGN.md: off is faster on small hosts
+    heartbeat_interval_s: float = 2.0  # peer-link heartbeat period
+    heartbeat_timeout_s: float = 10.0  # silence after which a peer is declared gone
 
 
 class LimitsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

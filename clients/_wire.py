@@ -1,0 +1,53 @@
+"""Client-side wire helpers shared by the async and the blocking client (no I/O here).
+
+Both clients build the same request messages and interpret replies the same way; only
+the socket calls differ. Replies of type ``Error`` become the daemon's exception class.
+"""
+
+from __future__ import annotations
+
+import array
+import os
+import socket
+from typing import TypeVar
+
+from protocol import messages as m
+from protocol.errors import ProtocolError, error_from_code
+
+T = TypeVar("T", bound=m.Message)
+
+#: Room for the fds that may come with one frame (Attached carries at most a few).
+MAX_FDS = 16
+ANCILLARY_SIZE = socket.CMSG_SPACE(MAX_FDS * array.array("i").itemsize)
+
+
+def default_socket_path() -> str:
+    """``$KVD_SOCKET`` or the systemd unit's socket path."""
+    return os.environ.get("KVD_SOCKET", "/run/kvd/kvd.sock")
+
+
+def check_reply(reply: m.Message, expected: type[T]) -> T:
+    """Return ``reply`` as ``expected`` or raise the error it carries."""
+    if isinstance(reply, m.Error):
+        raise error_from_code(reply.code, reply.message)
+    if not isinstance(reply, expected):
+        raise ProtocolError(f"expected {expected.__name__}, daemon sent {type(reply).__name__}")
+    return reply
+
+
+def fds_from_ancillary(ancdata: list[tuple[int, int, bytes]]) -> list[int]:
+    """Extract SCM_RIGHTS fds from ``recvmsg`` ancillary data."""
+    fds: list[int] = []
+    for level, kind, data in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            arr = array.array("i")
+            arr.frombytes(data[: len(data) - (len(data) % arr.itemsize)])
+            fds.extend(arr)
+    return fds
+
+
+def completion_or_raise(reply: m.Completion) -> m.Completion:
+    """A failed completion raises its error; a successful one is returned."""
+    if not reply.ok:
+        raise error_from_code(reply.error_code or "transfer_failed", reply.error_message)
+    return reply

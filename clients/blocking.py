@@ -1,0 +1,190 @@
+"""Blocking client: the async client's API for executors that run in plain threads.
+
+Same methods, same arguments, same errors as :class:`clients.client.AsyncClient`, over a
+plain ``socket``. One request is on the wire at a time (a lock serialises callers), so
+share a client between threads only for quick calls; a thread that ``wait()``s for a long
+transfer should have its own client (sessions are cheap).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import socket
+import threading
+from types import TracebackType
+from typing import TypeVar
+
+from clients._wire import (
+    ANCILLARY_SIZE,
+    check_reply,
+    completion_or_raise,
+    default_socket_path,
+    fds_from_ancillary,
+)
+from clients.attach import MappedPool, map_pool
+from protocol import messages as m
+from protocol.codec import decode_reply, encode
+from protocol.errors import ConnectionClosed, error_from_code
+from protocol.framing import DEFAULT_MAX_FRAME_SIZE, FrameBuffer
+from protocol.layout import KVLayout
+
+T = TypeVar("T", bound=m.Message)
+
+
+class Client:
+    """A blocking session with the local daemon; a context manager."""
+
+    def __init__(self, path: str | None = None, *, client: str = "", timeout: float | None = None) -> None:
+        self.path = path or default_socket_path()
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.settimeout(timeout)
+        try:
+            self._sock.connect(self.path)
+        except OSError as exc:
+            self._sock.close()
+            raise ConnectionClosed(f"cannot connect to kvd at {self.path}: {exc.strerror}", by_peer=True) from None
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._frames = FrameBuffer(DEFAULT_MAX_FRAME_SIZE)
+        self._ready: list[tuple[m.Message, list[int]]] = []
+        try:
+            self.welcome = self._call(
+                m.Hello(id=self._id(), version=m.PROTOCOL_VERSION, client=client or f"pid{os.getpid()}", pid=os.getpid()),
+                m.Welcome,
+            )
+        except BaseException:
+            self._sock.close()
+            raise
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """End the session (the daemon returns its leases)."""
+        self._sock.close()
+
+    # -- plumbing ---------------------------------------------------------------------------
+    def _id(self) -> int:
+        return next(self._ids)
+
+    def _receive(self) -> tuple[m.Message, list[int]]:
+        while not self._ready:
+            try:
+                data, anc, _flags, _addr = self._sock.recvmsg(65536, ANCILLARY_SIZE)
+            except OSError as exc:
+                raise ConnectionClosed(f"connection to the daemon broke: {exc}", by_peer=True) from None
+            fds = fds_from_ancillary(anc)
+            if not data:
+                for fd in fds:
+                    os.close(fd)
+                raise ConnectionClosed("the daemon closed the connection", by_peer=True)
+            for i, payload in enumerate(self._frames.feed(data)):
+                self._ready.append((decode_reply(payload), fds if i == 0 else []))
+        return self._ready.pop(0)
+
+    def _call_with_fds(self, msg: m.Message, expected: type[T]) -> tuple[T, list[int]]:
+        with self._lock:
+            try:
+                self._sock.sendall(encode(msg))
+            except OSError as exc:
+                raise ConnectionClosed(f"cannot send to the daemon: {exc}", by_peer=True) from None
+            while True:
+                reply, fds = self._receive()
+                if reply.id == msg.id:
+                    break
+                if isinstance(reply, m.Error) and reply.id == 0:
+                    raise error_from_code(reply.code, reply.message)
+                for fd in fds:
+                    os.close(fd)
+        try:
+            return check_reply(reply, expected), fds
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+
+    def _call(self, msg: m.Message, expected: type[T]) -> T:
+        reply, fds = self._call_with_fds(msg, expected)
+        for fd in fds:
+            os.close(fd)
+        return reply
+
+    # -- API (mirrors AsyncClient) ----------------------------------------------------------
+    def ping(self, payload: bytes = b"") -> bytes:
+        return self._call(m.Ping(id=self._id(), payload=payload), m.Pong).payload
+
+    def stats(self) -> m.DaemonStats:
+        return self._call(m.Stats(id=self._id()), m.StatsReply).stats
+
+    def pools(self) -> list[m.PoolInfo]:
+        return self._call(m.ListPools(id=self._id()), m.PoolsReply).pools
+
+    def sessions(self) -> list[m.SessionInfo]:
+        return self._call(m.ListSessions(id=self._id()), m.SessionsReply).sessions
+
+    def transfers(self) -> list[m.TransferInfo]:
+        return self._call(m.ListTransfers(id=self._id()), m.TransfersReply).transfers
+
+    def config(self) -> str:
+        return self._call(m.GetConfig(id=self._id()), m.ConfigReply).config_json
+
+    def drain(self) -> None:
+        self._call(m.Drain(id=self._id()), m.Ok)
+
+    def attach(self, pool: str) -> MappedPool:
+        reply, fds = self._call_with_fds(m.AttachPool(id=self._id(), pool=pool), m.Attached)
+        return map_pool(reply, fds)
+
+    def alloc(self, pool: str, count: int) -> list[int]:
+        return self._call(m.Alloc(id=self._id(), pool=pool, count=count), m.Allocated).block_ids
+
+    def free(self, pool: str, block_ids: list[int]) -> int:
+        return self._call(m.Free(id=self._id(), pool=pool, block_ids=list(block_ids)), m.Freed).count
+
+    def expect(
+        self,
+        request_id: str,
+        pool: str,
+        layout: KVLayout,
+        rank: int,
+        block_ids: list[int],
+        *,
+        ranks: list[int] | None = None,
+        deadline_s: float | None = None,
+    ) -> None:
+        msg = m.Expect(
+            id=self._id(), request_id=request_id, pool=pool, layout=layout, rank=rank,
+            block_ids=list(block_ids), ranks=ranks, deadline_s=deadline_s,
+        )  # fmt: skip
+        self._call(msg, m.Registered)
+
+    def publish(
+        self,
+        request_id: str,
+        pool: str,
+        layout: KVLayout,
+        rank: int,
+        block_ids: list[int],
+        peer: str,
+        *,
+        ranks: list[int] | None = None,
+        deadline_s: float | None = None,
+    ) -> None:
+        msg = m.Publish(
+            id=self._id(), request_id=request_id, pool=pool, layout=layout, rank=rank,
+            block_ids=list(block_ids), peer=peer, ranks=ranks, deadline_s=deadline_s,
+        )  # fmt: skip
+        self._call(msg, m.Registered)
+
+    def wait(self, request_id: str, timeout_s: float | None = None) -> m.Completion:
+        reply = self._call(m.Wait(id=self._id(), request_id=request_id, timeout_s=timeout_s), m.Completion)
+        return completion_or_raise(reply)
+
+    def cancel(self, request_id: str) -> None:
+        self._call(m.Cancel(id=self._id(), request_id=request_id), m.Ok)

@@ -1,0 +1,253 @@
+"""Async (trio) client for executors and tools.
+
+    async with open_client("/run/kvd/kvd.sock", client="ctx-rank0") as kvd:
+        pool = await kvd.attach("gpu0")            # MappedPool: .tensor is the KV pool view
+        blocks = await kvd.alloc("gpu0", 256)
+        ...  # write KV into pool.tensor[blocks]
+        await kvd.publish("req-1", "gpu0", layout, rank=0, block_ids=blocks, peer="gen-node")
+        done = await kvd.wait("req-1")             # Completion (raises on failure)
+
+Many requests may be in flight on one client: a reader task routes each reply to its
+caller by request id. Errors from the daemon raise the same ``KvdError`` subclass.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import TypeVar
+
+import trio
+
+from clients._wire import ANCILLARY_SIZE, check_reply, completion_or_raise, fds_from_ancillary
+from clients.attach import MappedPool, map_pool
+from protocol import messages as m
+from protocol.codec import decode_reply, encode
+from protocol.errors import ConnectionClosed, KvdError, ProtocolError, error_from_code
+from protocol.framing import DEFAULT_MAX_FRAME_SIZE, FrameBuffer
+from protocol.layout import KVLayout
+
+T = TypeVar("T", bound=m.Message)
+
+
+class _Pending:
+    __slots__ = ("event", "fds", "reply")
+
+    def __init__(self) -> None:
+        self.event = trio.Event()
+        self.reply: m.Message | None = None
+        self.fds: list[int] = []
+
+
+class AsyncClient:
+    """One session with the local daemon. Create with :func:`open_client`."""
+
+    def __init__(self, sock: trio.socket.SocketType, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE) -> None:
+        self._sock = sock
+        self._ids = itertools.count(1)
+        self._pending: dict[int, _Pending] = {}
+        self._send_lock = trio.Lock()
+        self._frames = FrameBuffer(max_frame_size)
+        self._closed: KvdError | None = None
+        self.welcome: m.Welcome | None = None
+
+    # -- plumbing ---------------------------------------------------------------------------
+    async def _reader(self) -> None:
+        try:
+            while True:
+                data, anc, _flags, _addr = await self._sock.recvmsg(65536, ANCILLARY_SIZE)
+                fds = fds_from_ancillary(anc)
+                if not data:
+                    for fd in fds:
+                        os.close(fd)
+                    raise ConnectionClosed("the daemon closed the connection", by_peer=True)
+                for payload in self._frames.feed(data):
+                    reply = decode_reply(payload)
+                    pending = self._pending.pop(reply.id, None)
+                    if pending is None:
+                        if isinstance(reply, m.Error) and reply.id == 0:
+                            raise error_from_code(reply.code, reply.message)
+                        for fd in fds:
+                            os.close(fd)
+                        continue
+                    pending.reply, pending.fds = reply, fds
+                    fds = []
+                    pending.event.set()
+        except KvdError as exc:
+            self._fail_all(exc)
+        except OSError as exc:
+            self._fail_all(ConnectionClosed(f"connection to the daemon broke: {exc}", by_peer=True))
+
+    def _fail_all(self, exc: KvdError) -> None:
+        self._closed = exc
+        for pending in self._pending.values():
+            pending.event.set()
+        self._pending.clear()
+
+    async def _call_with_fds(self, msg: m.Message, expected: type[T]) -> tuple[T, list[int]]:
+        if self._closed is not None:
+            raise self._closed
+        pending = _Pending()
+        self._pending[msg.id] = pending
+        data = encode(msg)
+        try:
+            async with self._send_lock:
+                view = memoryview(data)
+                while view:
+                    view = view[await self._sock.send(view) :]
+        except OSError as exc:
+            self._pending.pop(msg.id, None)
+            raise ConnectionClosed(f"cannot send to the daemon: {exc}", by_peer=True) from None
+        await pending.event.wait()
+        if pending.reply is None:
+            assert self._closed is not None
+            raise self._closed
+        try:
+            return check_reply(pending.reply, expected), pending.fds
+        except BaseException:
+            for fd in pending.fds:
+                os.close(fd)
+            raise
+
+    async def _call(self, msg: m.Message, expected: type[T]) -> T:
+        reply, fds = await self._call_with_fds(msg, expected)
+        for fd in fds:
+            os.close(fd)
+        return reply
+
+    def _id(self) -> int:
+        return next(self._ids)
+
+    # -- API --------------------------------------------------------------------------------
+    async def hello(self, client: str) -> m.Welcome:
+        """Versioned handshake (done by :func:`open_client`)."""
+        self.welcome = await self._call(
+            m.Hello(id=self._id(), version=m.PROTOCOL_VERSION, client=client, pid=os.getpid()), m.Welcome
+        )
+        return self.welcome
+
+    async def ping(self, payload: bytes = b"") -> bytes:
+        return (await self._call(m.Ping(id=self._id(), payload=payload), m.Pong)).payload
+
+    async def stats(self) -> m.DaemonStats:
+        return (await self._call(m.Stats(id=self._id()), m.StatsReply)).stats
+
+    async def pools(self) -> list[m.PoolInfo]:
+        return (await self._call(m.ListPools(id=self._id()), m.PoolsReply)).pools
+
+    async def sessions(self) -> list[m.SessionInfo]:
+        return (await self._call(m.ListSessions(id=self._id()), m.SessionsReply)).sessions
+
+    async def transfers(self) -> list[m.TransferInfo]:
+        return (await self._call(m.ListTransfers(id=self._id()), m.TransfersReply)).transfers
+
+    async def config(self) -> str:
+        """The daemon's effective configuration as JSON."""
+        return (await self._call(m.GetConfig(id=self._id()), m.ConfigReply)).config_json
+
+    async def drain(self) -> None:
+        await self._call(m.Drain(id=self._id()), m.Ok)
+
+    async def attach(self, pool: str) -> MappedPool:
+        """Map ``pool`` into this process; ``.tensor`` is a view shaped by its geometry."""
+        reply, fds = await self._call_with_fds(m.AttachPool(id=self._id(), pool=pool), m.Attached)
+        return map_pool(reply, fds)
+
+    async def alloc(self, pool: str, count: int) -> list[int]:
+        return (await self._call(m.Alloc(id=self._id(), pool=pool, count=count), m.Allocated)).block_ids
+
+    async def free(self, pool: str, block_ids: list[int]) -> int:
+        msg = m.Free(id=self._id(), pool=pool, block_ids=list(block_ids))
+        return (await self._call(msg, m.Freed)).count
+
+    async def expect(
+        self,
+        request_id: str,
+        pool: str,
+        layout: KVLayout,
+        rank: int,
+        block_ids: list[int],
+        *,
+        ranks: list[int] | None = None,
+        deadline_s: float | None = None,
+    ) -> None:
+        """gen side: this rank will receive ``request_id`` into ``block_ids``."""
+        msg = m.Expect(
+            id=self._id(),
+            request_id=request_id,
+            pool=pool,
+            layout=layout,
+            rank=rank,
+            block_ids=list(block_ids),
+            ranks=ranks,
+            deadline_s=deadline_s,
+        )
+        await self._call(msg, m.Registered)
+
+    async def publish(
+        self,
+        request_id: str,
+        pool: str,
+        layout: KVLayout,
+        rank: int,
+        block_ids: list[int],
+        peer: str,
+        *,
+        ranks: list[int] | None = None,
+        deadline_s: float | None = None,
+    ) -> None:
+        """ctx side: this rank's KV for ``request_id`` is in ``block_ids``; send it to ``peer``."""
+        msg = m.Publish(
+            id=self._id(),
+            request_id=request_id,
+            pool=pool,
+            layout=layout,
+            rank=rank,
+            block_ids=list(block_ids),
+            peer=peer,
+            ranks=ranks,
+            deadline_s=deadline_s,
+        )
+        await self._call(msg, m.Registered)
+
+    async def wait(self, request_id: str, timeout_s: float | None = None) -> m.Completion:
+        """Wait for the transfer; returns its Completion, raises its error if it failed."""
+        reply = await self._call(m.Wait(id=self._id(), request_id=request_id, timeout_s=timeout_s), m.Completion)
+        return completion_or_raise(reply)
+
+    async def cancel(self, request_id: str) -> None:
+        await self._call(m.Cancel(id=self._id(), request_id=request_id), m.Ok)
+
+
+@asynccontextmanager
+async def open_client(path: str | None = None, *, client: str = "") -> AsyncIterator[AsyncClient]:
+    """Connect, handshake, and yield an :class:`AsyncClient`; closes the session on exit."""
+    from clients._wire import default_socket_path
+
+    path = path or default_socket_path()
+    sock = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_STREAM)
+    try:
+        await sock.connect(path)
+    except OSError as exc:
+        sock.close()
+        raise ConnectionClosed(f"cannot connect to kvd at {path}: {exc.strerror}", by_peer=True) from None
+    kvd = AsyncClient(sock)
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(kvd._reader)
+            try:
+                await kvd.hello(client or f"pid{os.getpid()}")
+                yield kvd
+            finally:
+                nursery.cancel_scope.cancel()
+    except BaseExceptionGroup as group:  # unwrap the single error the reader or caller raised
+        if len(group.exceptions) == 1:
+            raise group.exceptions[0] from None
+        raise
+    finally:
+        sock.close()
+
+
+__all__ = ["AsyncClient", "ProtocolError", "open_client"]

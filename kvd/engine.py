@@ -1,0 +1,691 @@
+"""The transfer engine: matches requests across daemons and moves their KV.
+
+For each request this daemon holds one or two :class:`~kvd.requests.Side` objects (ctx and/or
+gen). Once a side is complete (every participating rank registered):
+
+- ctx and gen on this same daemon (``peer`` = own node): the plan is applied locally
+  (path ``local``);
+- ctx: an ``XferOffer`` goes to the peer; on ``XferAccept`` both daemons plan the same
+  regroup and the sender runs the direct path (equal layouts: whole blocks written straight
+  into the peer's pool) or the bounce pipeline (gather chunk k+1 while chunk k is on the wire
+  and the receiver scatters chunk k-1; credits = receive slots); no credit within
+  ``bounce_wait_s`` → per-fragment writes straight into the blocks with a
+  ``transfer.bounce_fallback`` warning;
+- gen: waits for the offer (either order), accepts, grants receive slots and scatters.
+
+Every side has a deadline; a dead peer, a stalled transfer, a cancel or an executor whose
+session ends fails the request on both daemons, and every slot and lease is reclaimed.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Mapping
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import structlog
+import trio
+
+from kvd.plan import Plan, plan
+from kvd.requests import Role, Side, add_registration
+from kvd.slots import SlotPool
+from kvd.stager import BounceSchedule, Chunk, gather, scatter, schedule
+from protocol import messages as m
+from protocol import transfer as x
+from protocol.errors import (
+    BadRequest,
+    KvdError,
+    NotFound,
+    PeerUnavailable,
+    TransferCancelled,
+    TransferError,
+    TransferTimeout,
+    error_from_code,
+)
+
+if TYPE_CHECKING:
+    from kvd.daemon import Daemon
+    from kvd.links import PeerLink, PeerLinks
+    from kvd.session import Session
+    from kvd.transport import NixlAgent
+
+log = structlog.get_logger("kvd.transfer")
+
+#: Descriptors per NIXL write on the direct/fallback paths (keeps one xfer's lists bounded).
+MAX_DESCS_PER_WRITE = 8192
+
+
+class _Incoming:
+    """gen-side state of a transfer in progress (bounce/direct receive)."""
+
+    def __init__(self) -> None:
+        self.notifs: trio.MemorySendChannel[x.Notif]
+        self.notifs_rx: trio.MemoryReceiveChannel[x.Notif]
+        self.notifs, self.notifs_rx = trio.open_memory_channel[x.Notif](math.inf)
+        self.done_msg: x.XferDone | None = None
+        self.done_event = trio.Event()
+        self.fallback = trio.Event()
+
+
+class _Outgoing:
+    """ctx-side state of a transfer in progress."""
+
+    def __init__(self) -> None:
+        self.accept: x.XferAccept | None = None
+        self.accepted = trio.Event()
+        self.grants_tx: trio.MemorySendChannel[int]
+        self.grants_rx: trio.MemoryReceiveChannel[int]
+        self.grants_tx, self.grants_rx = trio.open_memory_channel[int](math.inf)
+        self.complete: x.XferComplete | None = None
+        self.completed = trio.Event()
+
+
+class Engine:
+    """Owns NIXL, the peer links, the bounce regions and every transfer of this daemon."""
+
+    def __init__(self, daemon: Daemon, env: Mapping[str, str]) -> None:
+        self.daemon = daemon
+        self.env = env
+        self.cfg = daemon.config.transfer
+        self.sides: dict[tuple[str, Role], Side] = {}
+        self.incoming: dict[str, _Incoming] = {}
+        self.outgoing: dict[str, _Outgoing] = {}
+        self.pending_offers: dict[str, tuple[PeerLink, x.XferOffer]] = {}
+        self._offer_waiters: dict[str, trio.Event] = {}
+        self.chunk_bytes = self.cfg.chunk_mb << 20
+        slots = max(1, (self.cfg.bounce_size_mb << 20) // self.chunk_bytes)
+        self.recv_slots = SlotPool(slots)
+        self.send_slots = SlotPool(slots)
+        self.nixl: NixlAgent | None = None
+        self.links: PeerLinks | None = None
+        self.peer_port = 0
+        self._nursery: trio.Nursery | None = None
+        self._tasks: dict[tuple[str, Role], trio.Event] = {}
+        self._idle = trio.Event()
+        self._idle.set()
+        self.recv_region: Any = None
+        self.send_region: Any = None
+
+    # -- lifecycle --------------------------------------------------------------------------
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Bring up NIXL and the peer links; then serve transfers until cancelled."""
+        from kvd.links import PeerLinks
+        from kvd.transport_setup import setup_transport
+
+        transport = await trio.to_thread.run_sync(partial(setup_transport, self.daemon, self.chunk_bytes, self.recv_slots.count))
+        self.nixl, self.recv_region, self.send_region = transport.agent, transport.recv, transport.send
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                self.links = PeerLinks(self, transport)
+                self.peer_port = await nursery.start(self.links.run)
+                nursery.start_soon(self._poll_notifications)
+                task_status.started()
+        finally:
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(transport.close)
+
+    async def drained(self) -> None:
+        """Return once no transfer is running."""
+        await self._idle.wait()
+
+    # -- stats ------------------------------------------------------------------------------
+    def active_count(self) -> int:
+        return len(self._tasks)
+
+    def bounce_chunks_total(self) -> int:
+        return self.recv_slots.count + self.send_slots.count
+
+    def bounce_chunks_in_use(self) -> int:
+        return self.recv_slots.in_use + self.send_slots.in_use
+
+    def peers_connected(self) -> int:
+        return len(self.links.links) if self.links is not None else 0
+
+    def transfer_infos(self) -> list[m.TransferInfo]:
+        return [side.info() for side in self.sides.values()]
+
+    # -- executor requests ------------------------------------------------------------------
+    async def register(self, session: Session, msg: m.Expect | m.Publish) -> None:
+        role: Role = "gen" if isinstance(msg, m.Expect) else "ctx"
+        pool = self.daemon.pool(msg.pool)
+        deadline_s = msg.deadline_s if msg.deadline_s is not None else self.cfg.deadline_s
+        if deadline_s <= 0:
+            raise BadRequest(f"request {msg.request_id!r}: deadline_s must be positive, got {deadline_s}")
+        side = add_registration(self.sides, session, msg, pool, role, trio.current_time() + deadline_s)
+        session.requests.add(msg.request_id)
+        if side.complete:
+            self._start(side)
+
+    async def wait(self, session: Session, msg: m.Wait) -> m.Completion:
+        sides = [s for (rid, _r), s in self.sides.items() if rid == msg.request_id and session.id in s.sessions()]
+        if not sides:
+            raise NotFound(f"request {msg.request_id!r} is not registered by this session")
+        side = sides[0]
+        if msg.timeout_s is None:
+            await side.done.wait()
+        else:
+            with trio.move_on_after(msg.timeout_s):
+                await side.done.wait()
+            if side.completion is None:
+                raise TransferTimeout(f"request {msg.request_id!r} still running after wait timeout {msg.timeout_s}s")
+        assert side.completion is not None
+        session.requests.discard(msg.request_id)
+        self._forget_if_collected(side)
+        return msgspec.structs.replace(side.completion, id=msg.id)
+
+    async def cancel(self, request_id: str, reason: str) -> None:
+        found = [s for (rid, _r), s in self.sides.items() if rid == request_id]
+        if not found:
+            raise NotFound(f"no request {request_id!r}")
+        for side in found:
+            await self._fail_side(side, TransferCancelled(f"request {request_id!r} {reason}"), notify_peer=True)
+
+    async def session_ended(self, session: Session) -> None:
+        """Fail every request the session took part in and wait until none uses its blocks."""
+        for side in [s for s in self.sides.values() if session.id in s.sessions()]:
+            if side.completion is None:
+                await self._fail_side(
+                    side,
+                    TransferCancelled(f"request {side.request_id!r}: executor session {session.id} ended"),
+                    notify_peer=True,
+                )
+            key = (side.request_id, side.role)
+            task_done = self._tasks.get(key)
+            if task_done is not None:
+                await task_done.wait()
+            # a side whose executors are all gone is forgotten
+            for rank, part in list(side.parts.items()):
+                if part.session is session:
+                    del side.parts[rank]
+            if not side.parts:
+                self.sides.pop(key, None)
+
+    def _forget_if_collected(self, side: Side) -> None:
+        """Drop finished sides once no session still has them registered."""
+        if side.completion is None:
+            return
+        if not any(side.request_id in p.session.requests for p in side.parts.values()):
+            self.sides.pop((side.request_id, side.role), None)
+
+    # -- starting and failing ---------------------------------------------------------------
+    def _start(self, side: Side) -> None:
+        """A side just became complete: start its task (the gen task waits for its match)."""
+        if side.role == "ctx":
+            if side.peer == self.daemon.config.node:
+                # local: the gen side's task moves the bytes; this one only keeps the deadline
+                self._spawn(side, self._await_local, side)
+                self._wake_receiver(side.request_id)
+            else:
+                self._spawn(side, self._run_sender, side)
+        else:
+            self._spawn(side, self._run_receiver, side)
+
+    def _wake_receiver(self, request_id: str) -> None:
+        waiter = self._offer_waiters.get(request_id)
+        if waiter is not None:
+            waiter.set()
+
+    def _local_ctx(self, request_id: str) -> Side | None:
+        ctx = self.sides.get((request_id, "ctx"))
+        if ctx is not None and ctx.peer == self.daemon.config.node and ctx.complete and ctx.completion is None:
+            return ctx
+        return None
+
+    async def _await_local(self, side: Side) -> None:
+        side.state = "waiting for local gen side"
+        await side.done.wait()
+
+    def _spawn(self, side: Side, fn: Any, *args: Any) -> None:
+        assert self._nursery is not None
+        key = (side.request_id, side.role)
+        done = trio.Event()
+        self._tasks[key] = done
+        self._idle = trio.Event()
+        self._nursery.start_soon(self._supervise, side, done, fn, args)
+
+    async def _supervise(self, side: Side, done: trio.Event, fn: Any, args: tuple[Any, ...]) -> None:
+        key = (side.request_id, side.role)
+        scope = trio.CancelScope(deadline=side.deadline)
+        side.cancel_scope = scope
+        side.started = time.monotonic()
+        side.state = "running"
+        bound = structlog.contextvars.bound_contextvars(request_id=side.request_id, role=side.role)
+        try:
+            with bound:
+                try:
+                    with scope:
+                        await fn(*args)
+                    if scope.cancelled_caught and side.completion is None:
+                        await self._fail_side(
+                            side,
+                            TransferTimeout(
+                                f"request {side.request_id!r} ({side.role}) missed its deadline "
+                                f"after {time.monotonic() - side.created:.2f}s (stage: {side.state}, "
+                                f"{side.chunks_done}/{side.chunks_total} chunks)"
+                            ),
+                            notify_peer=True,
+                        )
+                except KvdError as exc:
+                    await self._fail_side(side, exc, notify_peer=True)
+                except Exception as exc:
+                    log.exception("transfer.internal_error")
+                    await self._fail_side(side, TransferError(f"internal error: {type(exc).__name__}: {exc}"), notify_peer=True)
+        finally:
+            with trio.CancelScope(shield=True):
+                self._reclaim(side)
+                self._tasks.pop(key, None)
+                done.set()
+                if not self._tasks:
+                    self._idle.set()
+
+    def _reclaim(self, side: Side) -> None:
+        """Return every receive/send slot the request holds."""
+        self.recv_slots.release_owner(side.request_id)
+        self.send_slots.release_owner(side.request_id)
+        self.incoming.pop(side.request_id, None) if side.role == "gen" else self.outgoing.pop(side.request_id, None)
+        if side.role == "ctx":
+            self.pending_offers.pop(side.request_id, None)
+
+    async def _fail_side(self, side: Side, exc: KvdError, *, notify_peer: bool) -> None:
+        if side.completion is not None:
+            return
+        side.fail(exc)
+        self.daemon.counters.transfers_failed += 1
+        self.daemon.metrics.transfer_failed(exc.code)
+        log.warning(
+            "transfer.failed",
+            request_id=side.request_id,
+            role=side.role,
+            peer=side.peer,
+            code=exc.code,
+            error=exc.message,
+            bytes=side.bytes_done,
+            chunks=side.chunks_done,
+        )
+        if side.cancel_scope is not None:
+            side.cancel_scope.cancel()
+        if notify_peer and side.peer and side.peer != self.daemon.config.node and self.links is not None:
+            link = self.links.links.get(side.peer)
+            if link is not None:
+                with trio.move_on_after(1.0) as _scope:
+                    _scope.shield = True
+                    try:
+                        await link.send(x.XferFail(request_id=side.request_id, code=exc.code, message=exc.message))
+                    except KvdError:
+                        pass
+
+    def _succeed(self, side: Side, *, nbytes: int, path: str, chunks: int, fallback: str = "") -> None:
+        duration = time.monotonic() - side.started
+        completion = m.Completion(
+            request_id=side.request_id,
+            ok=True,
+            bytes=nbytes,
+            duration_s=duration,
+            path=path,
+            chunks=chunks,
+            fallback=fallback,
+            peer=side.peer,
+        )
+        if not side.finish(completion):
+            return
+        side.bytes_done = nbytes
+        c = self.daemon.counters
+        c.transfers_done += 1
+        if side.role == "ctx":
+            c.bytes_sent += nbytes
+        else:
+            c.bytes_received += nbytes
+        self.daemon.metrics.transfer_done(side.role, path, nbytes, duration)
+        # the one canonical line per transfer and side
+        log.info(
+            "transfer.done",
+            request_id=side.request_id,
+            role=side.role,
+            peer=side.peer,
+            bytes=nbytes,
+            duration_s=round(duration, 6),
+            gbps=round(nbytes / duration / 1e9, 3) if duration > 0 else 0.0,
+            path=path,
+            chunks=chunks,
+            fallback=fallback or None,
+        )
+
+    # -- local path -------------------------------------------------------------------------
+    async def _run_local(self, ctx: Side, gen: Side) -> None:
+        """Both sides on this daemon: apply the plan pool to pool (path ``local``)."""
+        ctx.started = gen.started = time.monotonic()
+        ctx.state = gen.state = "copying"
+        p = await trio.to_thread.run_sync(partial(plan, ctx.layout, gen.layout, ctx.blocks_by_rank(), gen.blocks_by_rank()))
+        ctx.path = gen.path = "local"
+        ctx.bytes_total = gen.bytes_total = p.total_bytes()
+        src = {r: part.pool.tensor_u8() for r, part in ctx.parts.items()}
+        dst = {r: part.pool.tensor_u8() for r, part in gen.parts.items()}
+        await trio.to_thread.run_sync(partial(p.apply, src, dst))
+        nbytes = p.total_bytes()
+        for side in (ctx, gen):
+            side.chunks_done = side.chunks_total = len(p.pairs())
+            self._succeed(side, nbytes=nbytes, path="local", chunks=len(p.pairs()))
+
+    # -- ctx (sender) -----------------------------------------------------------------------
+    async def _run_sender(self, side: Side) -> None:
+        assert self.links is not None
+        link = self.links.get(side.peer)
+        out = _Outgoing()
+        self.outgoing[side.request_id] = out
+        side.state = "offered"
+        await link.send(
+            x.XferOffer(
+                request_id=side.request_id,
+                layout=side.layout,
+                blocks=side.blocks_by_rank(),
+                deadline_s=max(0.0, side.deadline - trio.current_time()),
+            )
+        )
+        await out.accepted.wait()
+        accept = out.accept
+        assert accept is not None
+        p = await trio.to_thread.run_sync(partial(plan, side.layout, accept.layout, side.blocks_by_rank(), accept.blocks))
+        side.bytes_total = p.total_bytes()
+        if p.direct:
+            side.path = "direct"
+            writes = await self._send_fragments(side, link, p, accept)
+            chunks = writes
+            fallback = ""
+        else:
+            sched = await trio.to_thread.run_sync(partial(schedule, p, chunk_bytes=self.chunk_bytes))
+            side.chunks_total = sched.num_chunks()
+            first = trio.move_on_after(self.cfg.bounce_wait_s)
+            with first:
+                first_slot = await out.grants_rx.receive()
+            if first.cancelled_caught:
+                reason = f"no receive credit from {side.peer} within bounce_wait_s={self.cfg.bounce_wait_s}"
+                log.warning("transfer.bounce_fallback", request_id=side.request_id, peer=side.peer, reason=reason,
+                            fragments=p.num_fragments())
+                self.daemon.metrics.fallback("bounce")
+                await link.send(x.XferFallback(request_id=side.request_id, reason=reason))
+                side.path = "fragment-fallback"
+                writes = await self._send_fragments(side, link, p, accept, per_fragment=True)
+                chunks, fallback = writes, "fragment"
+            else:
+                side.path = "bounce"
+                writes = await self._send_bounce(side, link, sched, first_slot, out)
+                chunks, fallback = writes, ""
+        side.state = "finishing"
+        await link.send(x.XferDone(request_id=side.request_id, writes=writes, bytes=side.bytes_total, chunks=chunks))
+        await out.completed.wait()
+        self._succeed(side, nbytes=side.bytes_total, path=side.path, chunks=chunks, fallback=fallback)
+
+    async def _send_fragments(
+        self, side: Side, link: PeerLink, p: Plan, accept: x.XferAccept, *, per_fragment: bool = False
+    ) -> int:
+        """Write the plan's fragments straight from our pools into the peer's pools."""
+        assert self.nixl is not None
+        import numpy as np
+
+        seq = 0
+        side.state = "writing"
+        for s, d in p.pairs():
+            frags = p.fragments(s, d)
+            src_base = side.parts[s].pool.ptr
+            dst = accept.pools[d]
+            src_dev = side.parts[s].pool.device
+            for lo in range(0, len(frags), MAX_DESCS_PER_WRITE):
+                part = frags[lo : lo + MAX_DESCS_PER_WRITE]
+                local = np.stack([part[:, 0] + src_base, part[:, 2]], axis=1)
+                remote = np.stack([part[:, 1] + dst.addr, part[:, 2]], axis=1)
+                notif = x.encode_notif(x.Notif(side.request_id, seq, -1))
+                handle = await trio.to_thread.run_sync(
+                    partial(self.nixl.write, local, remote, link.agent, notif, local_device=src_dev, remote_device=dst.device)
+                )
+                await self.nixl.wait(handle)
+                seq += 1
+                nbytes = int(part[:, 2].sum())
+                side.bytes_done += nbytes
+                side.chunks_done = seq
+        return seq
+
+    async def _send_bounce(self, side: Side, link: PeerLink, sched: BounceSchedule, first_slot: int, out: _Outgoing) -> int:
+        """The bounce pipeline: gather k+1 while k is on the wire (receiver scatters k-1)."""
+        assert self.nixl is not None
+        nixl = self.nixl
+        chunks = sched.all_chunks()
+        rid = side.request_id
+        side.state = "streaming"
+        pending_slot: int | None = first_slot
+
+        async def write_and_release(chunk: Chunk, seq: int, local_slot: int, remote_slot: int) -> None:
+            local = [(self.send_region.slot_addr(local_slot), chunk.nbytes)]
+            remote = [(link.bounce.addr + remote_slot * link.slot_bytes, chunk.nbytes)]
+            notif = x.encode_notif(x.Notif(rid, seq, remote_slot))
+            handle = nixl.write(local, remote, link.agent, notif, local_device=self.send_region.device,
+                                remote_device=link.bounce.device)
+            try:
+                await nixl.wait(handle)
+            finally:
+                self.send_slots.release(rid, local_slot)
+            side.bytes_done += chunk.nbytes
+            side.chunks_done += 1
+
+        async with trio.open_nursery() as writers:
+            for seq, chunk in enumerate(chunks):
+                if pending_slot is None:
+                    remote_slot = await out.grants_rx.receive()
+                else:
+                    remote_slot, pending_slot = pending_slot, None
+                local_slot = await self.send_slots.acquire(rid)
+                src_pool = side.parts[chunk.src].pool.tensor_u8()
+                staging = self.send_region.slot_tensor(local_slot)
+                await trio.to_thread.run_sync(partial(gather, chunk, src_pool, staging))
+                writers.start_soon(write_and_release, chunk, seq, local_slot, remote_slot)
+        return len(chunks)
+
+    # -- gen (receiver) ---------------------------------------------------------------------
+    async def _run_receiver(self, side: Side) -> None:
+        assert self.links is not None
+        side.state = "waiting for offer"
+        rid = side.request_id
+        if rid not in self.pending_offers and self._local_ctx(rid) is None:
+            matched = trio.Event()
+            self._offer_waiters[rid] = matched
+            try:
+                await matched.wait()
+            finally:
+                self._offer_waiters.pop(rid, None)
+        local = self._local_ctx(rid)
+        if local is not None:
+            await self._run_local(local, side)
+            return
+        link, offer = self.pending_offers.pop(rid)
+        side.peer = link.node
+        side.started = time.monotonic()
+        inc = _Incoming()
+        self.incoming[side.request_id] = inc
+        p = await trio.to_thread.run_sync(partial(plan, offer.layout, side.layout, offer.blocks, side.blocks_by_rank()))
+        side.bytes_total = p.total_bytes()
+        regions = {
+            r: x.RemoteRegion(addr=part.pool.ptr, nbytes=part.pool.nbytes, device=part.pool.device)
+            for r, part in side.parts.items()
+        }
+        await link.send(x.XferAccept(request_id=side.request_id, layout=side.layout, blocks=side.blocks_by_rank(), pools=regions))
+        side.state = "receiving"
+        if p.direct:
+            side.path = "direct"
+            writes = await self._receive_direct(side, inc)
+            fallback = ""
+        else:
+            sched = await trio.to_thread.run_sync(partial(schedule, p, chunk_bytes=self.chunk_bytes))
+            side.chunks_total = sched.num_chunks()
+            side.path = "bounce"
+            writes = await self._receive_bounce(side, link, sched, inc)
+            fallback = "fragment" if inc.fallback.is_set() else ""
+            if fallback:
+                side.path = "fragment-fallback"
+        await link.send(x.XferComplete(request_id=side.request_id, bytes=side.bytes_total))
+        self._succeed(side, nbytes=side.bytes_total, path=side.path, chunks=writes, fallback=fallback)
+
+    async def _receive_direct(self, side: Side, inc: _Incoming) -> int:
+        """Count the sender's write notifications until XferDone says how many there were."""
+        seen = 0
+        while True:
+            if inc.done_msg is not None and seen >= inc.done_msg.writes:
+                side.bytes_done = side.bytes_total
+                return seen
+            with trio.move_on_after(0.05):
+                await inc.notifs_rx.receive()
+                seen += 1
+                side.chunks_done = seen
+
+    async def _receive_bounce(self, side: Side, link: PeerLink, sched: BounceSchedule, inc: _Incoming) -> int:
+        rid = side.request_id
+        chunks = sched.all_chunks()
+        total = len(chunks)
+        scattered = 0
+
+        async def grant_slots(cancel: trio.CancelScope) -> None:
+            with cancel:
+                for _ in range(total):
+                    slot = await self.recv_slots.acquire(rid)
+                    await link.send(x.XferGrant(request_id=rid, slot=slot))
+
+        async def scatter_one(n: x.Notif) -> None:
+            nonlocal scattered
+            chunk = chunks[n.seq]
+            dst_pool = side.parts[chunk.dst].pool.tensor_u8()
+            bounce = self.recv_region.slot_tensor(n.slot)
+            await trio.to_thread.run_sync(partial(scatter, chunk, bounce, dst_pool))
+            self.recv_slots.release(rid, n.slot)
+            scattered += 1
+            side.chunks_done = scattered
+            side.bytes_done += chunk.nbytes
+
+        granting = trio.CancelScope()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(grant_slots, granting)
+            seen = 0
+            while True:
+                if inc.fallback.is_set():
+                    granting.cancel()
+                    self.recv_slots.release_owner(rid)
+                    if inc.done_msg is not None and seen >= inc.done_msg.writes:
+                        break
+                elif scattered == total and seen == total:
+                    break
+                with trio.move_on_after(0.05):
+                    n = await inc.notifs_rx.receive()
+                    seen += 1
+                    if n.slot >= 0:
+                        if n.seq >= total:
+                            raise TransferError(f"request {rid!r}: chunk {n.seq} beyond the {total} planned")
+                        nursery.start_soon(scatter_one, n)
+                    else:
+                        side.chunks_done = seen
+            granting.cancel()
+        if inc.fallback.is_set():
+            side.bytes_done = side.bytes_total
+            return seen
+        return total
+
+    # -- messages from peers ----------------------------------------------------------------
+    async def on_peer_message(self, link: PeerLink, msg: x.XferMessage) -> None:
+        """Route one transfer-control message from ``link``."""
+        rid = msg.request_id
+        if isinstance(msg, x.XferOffer):
+            if rid in self.pending_offers or rid in self.incoming:
+                await link.send(x.XferFail(request_id=rid, code="duplicate_request", message=f"request {rid!r} already offered"))
+                return
+            self.pending_offers[rid] = (link, msg)
+            if rid in self._offer_waiters:
+                self._wake_receiver(rid)
+            else:
+                # nobody expects it yet: keep it until the gen executors register, or its deadline
+                self._nursery_start(self._expire_offer, rid, msg.deadline_s)
+            return
+        if isinstance(msg, x.XferAccept):
+            out = self.outgoing.get(rid)
+            if out is not None and out.accept is None:
+                out.accept = msg
+                out.accepted.set()
+            return
+        if isinstance(msg, x.XferGrant):
+            out = self.outgoing.get(rid)
+            if out is not None:
+                out.grants_tx.send_nowait(msg.slot)
+            return
+        if isinstance(msg, x.XferFallback):
+            inc = self.incoming.get(rid)
+            if inc is not None:
+                inc.fallback.set()
+            return
+        if isinstance(msg, x.XferDone):
+            inc = self.incoming.get(rid)
+            if inc is not None:
+                inc.done_msg = msg
+                inc.done_event.set()
+            return
+        if isinstance(msg, x.XferComplete):
+            out = self.outgoing.get(rid)
+            if out is not None:
+                out.complete = msg
+                out.completed.set()
+            return
+        if isinstance(msg, x.XferFail):
+            self.pending_offers.pop(rid, None)
+            exc = error_from_code(msg.code, f"peer {link.node}: {msg.message}")
+            for role in ("ctx", "gen"):
+                side = self.sides.get((rid, role))  # type: ignore[arg-type]
+                if side is not None and side.completion is None and side.peer in (link.node, ""):
+                    await self._fail_side(side, exc, notify_peer=False)
+            return
+
+    def _nursery_start(self, fn: Any, *args: Any) -> None:
+        assert self._nursery is not None
+        self._nursery.start_soon(fn, *args)
+
+    async def _expire_offer(self, rid: str, seconds: float) -> None:
+        await trio.sleep(seconds)
+        pending = self.pending_offers.pop(rid, None)
+        if pending is not None:
+            link, _offer = pending
+            log.warning("transfer.offer_expired", request_id=rid, peer=link.node)
+            try:
+                await link.send(x.XferFail(request_id=rid, code=TransferTimeout.code,
+                                           message=f"no executor expected request {rid!r} before its deadline"))
+            except KvdError:
+                pass
+
+    async def on_link_lost(self, node: str, reason: str) -> None:
+        """The link to ``node`` broke: fail every transfer with it, on this side."""
+        for rid in [r for r, (link, _o) in self.pending_offers.items() if link.node == node]:
+            self.pending_offers.pop(rid, None)
+        for side in list(self.sides.values()):
+            if side.peer == node and side.completion is None:
+                await self._fail_side(side, PeerUnavailable(f"peer {node} went away: {reason}"), notify_peer=False)
+
+    # -- NIXL notifications -----------------------------------------------------------------
+    async def _poll_notifications(self) -> None:
+        """Drain NIXL notifications (no progress thread: this poll also drives UCX)."""
+        assert self.nixl is not None
+        nixl = self.nixl
+        idle_sleep = 0.002
+        while True:
+            notifs = nixl.notifications()
+            got = False
+            for _agent, msgs in notifs.items():
+                for raw in msgs:
+                    n = x.decode_notif(raw)
+                    if n is None:
+                        continue
+                    got = True
+                    inc = self.incoming.get(n.request_id)
+                    if inc is not None:
+                        inc.notifs.send_nowait(n)
+            if got or self._tasks:
+                await trio.sleep(0)
+                if not got:
+                    await trio.sleep(0.0002)
+            else:
+                await trio.sleep(idle_sleep)

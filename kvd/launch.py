@@ -1,0 +1,173 @@
+"""Start kvd daemons as real subprocesses and wait until they are ready.
+
+Used by ``kvd demo``, the benchmarks and the integration tests. Readiness is observed the
+way systemd observes it: the launcher binds an ``AF_UNIX`` datagram socket, passes it as
+``NOTIFY_SOCKET`` and waits for ``READY=1`` (never a sleep). The ready ``STATUS=`` line
+carries the peer-link port the daemon bound.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import msgspec
+
+from protocol.errors import KvdError
+
+
+class LaunchError(KvdError):
+    """A daemon subprocess did not become ready."""
+
+    code = "launch_failed"
+
+
+@dataclass
+class DaemonProcess:
+    """A running kvd subprocess."""
+
+    proc: subprocess.Popen[bytes]
+    socket_path: str
+    peer_port: int
+    config_path: str
+    notify: socket.socket
+    log_path: str
+    messages: list[str] = field(default_factory=list)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def read_notify(self, timeout: float = 0.0) -> list[str]:
+        """Datagrams received since the last call (each a newline-joined message)."""
+        self.notify.settimeout(timeout if timeout > 0 else 0.0001)
+        out: list[str] = []
+        while True:
+            try:
+                data = self.notify.recv(4096)
+            except (TimeoutError, BlockingIOError):
+                break
+            out.append(data.decode())
+            self.notify.settimeout(0.0001)
+        self.messages.extend(out)
+        return out
+
+    def log(self) -> str:
+        return Path(self.log_path).read_text(errors="replace")
+
+    def stop(self, timeout: float = 20.0) -> int:
+        """SIGTERM, wait, SIGKILL if needed; returns the exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.notify.close()
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.notify.close()
+
+
+def write_config(directory: str | Path, name: str, config: Mapping[str, Any]) -> str:
+    """Write ``config`` as ``<directory>/<name>.toml``; returns the path."""
+    path = Path(directory) / f"{name}.toml"
+    path.write_text(to_toml(config))
+    return str(path)
+
+
+def to_toml(data: Mapping[str, Any], prefix: str = "") -> str:
+    """Serialize the nested dict/list/scalar subset kvd's config uses into TOML."""
+    lines: list[str] = []
+    tables: list[tuple[str, Mapping[str, Any]]] = []
+    arrays: list[tuple[str, list[Mapping[str, Any]]]] = []
+    for key, value in data.items():
+        if isinstance(value, Mapping):
+            tables.append((key, value))
+        elif isinstance(value, list | tuple) and value and all(isinstance(v, Mapping) for v in value):
+            arrays.append((key, list(value)))
+        else:
+            lines.append(f"{key} = {_toml_value(value)}")
+    for key, table in tables:
+        lines.append(f"\n[{prefix}{key}]")
+        lines.append(to_toml(table, f"{prefix}{key}."))
+    for key, items in arrays:
+        for item in items:
+            lines.append(f"\n[[{prefix}{key}]]")
+            lines.append(to_toml(item, f"{prefix}{key}."))
+    return "\n".join(lines)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str):
+        return msgspec.json.encode(value).decode()
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot write {value!r} as TOML")
+
+
+def start_daemon(
+    config: Mapping[str, Any],
+    *,
+    workdir: str | Path,
+    name: str = "kvd",
+    env: Mapping[str, str] | None = None,
+    timeout: float = 60.0,
+    stdout: IO[bytes] | None = None,
+) -> DaemonProcess:
+    """Write ``config``, start ``python -m kvd serve``, wait for READY=1."""
+    workdir = Path(workdir)
+    cfg = dict(config)
+    cfg.setdefault("node", name)
+    cfg.setdefault("socket_path", str(workdir / f"{name}.sock"))
+    cfg.setdefault("log_format", "json")
+    config_path = write_config(workdir, name, cfg)
+    notify_path = tempfile.mktemp(prefix=f"{name}-notify-", suffix=".sock", dir=workdir)
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(notify_path)
+    full_env = dict(os.environ if env is None else env)
+    full_env["NOTIFY_SOCKET"] = notify_path
+    full_env.setdefault("UCX_NET_DEVICES", "lo")
+    full_env.setdefault("PYTHONUNBUFFERED", "1")
+    log_path = str(workdir / f"{name}.log")
+    log_file = open(log_path, "wb")  # noqa: SIM115 - handed to the child
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvd", "serve", "--config", config_path],
+        env=full_env,
+        stdout=stdout or log_file,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+    )
+    log_file.close()
+    daemon = DaemonProcess(proc, str(cfg["socket_path"]), 0, config_path, notify, log_path)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for msg in daemon.read_notify(0.05):
+            if "READY=1" in msg.split("\n"):
+                match = re.search(r"peer port (\d+)", msg)
+                daemon.peer_port = int(match.group(1)) if match else 0
+                return daemon
+        if proc.poll() is not None:
+            notify.close()
+            raise LaunchError(f"kvd {name} exited with {proc.returncode} before READY:\n{daemon.log()[-4000:]}")
+    daemon.kill()
+    raise LaunchError(f"kvd {name} not ready within {timeout}s:\n{daemon.log()[-4000:]}")

@@ -1,0 +1,189 @@
+"""Peer links: the authenticated TCP connections to other kvd daemons, one per peer node.
+
+The daemon listens on ``peer_host:peer_port`` and connects to every ``[[peers]]`` entry,
+reconnecting with backoff whenever a link drops (a restarted peer is picked up again). The
+handshake (:mod:`kvd.peer`) exchanges NIXL metadata and the receive region; after it the
+link carries the transfer-control messages of :mod:`protocol.transfer` and heartbeats.
+A peer without the shared secret is refused (``peer.auth_failed``) and never gets a link.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import TYPE_CHECKING
+
+import structlog
+import trio
+
+from kvd.peer import accept_peer, connect_peer, load_secret, run_heartbeats
+from protocol import transfer as x
+from protocol.errors import BadRequest, KvdError, PeerUnavailable
+from protocol.peer import PeerWelcome, PoolDesc, RegionDesc, register_peer_messages
+
+if TYPE_CHECKING:
+    from kvd.engine import Engine
+    from kvd.peer import PeerConnection
+    from kvd.transport_setup import Transport
+
+log = structlog.get_logger("kvd.peer")
+
+register_peer_messages(*x.XFER_MESSAGES)
+
+
+class PeerLink:
+    """One live, authenticated link and what the peer told us in its welcome."""
+
+    def __init__(self, node: str, conn: PeerConnection, welcome: PeerWelcome, agent: str) -> None:
+        self.node = node
+        self.conn = conn
+        self.agent = agent  # the peer's NIXL agent name, as loaded into ours
+        if not welcome.bounce:
+            raise BadRequest(f"peer {node} offered no receive region")
+        region = welcome.bounce[0]
+        self.bounce = x.RemoteRegion(addr=region.addr, nbytes=region.nbytes, device=region.device)
+        self.slot_bytes = region.slot_bytes
+        self.slots = region.slots
+        self.closed = trio.Event()
+
+    async def send(self, msg: x.XferMessage) -> None:
+        """Send a transfer-control message; a broken link raises ``PeerUnavailable``."""
+        try:
+            await self.conn.send(msg)
+        except (KvdError, trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+            raise PeerUnavailable(f"link to peer {self.node} is broken: {exc}") from None
+
+
+class PeerLinks:
+    """Owns every peer link of the daemon."""
+
+    def __init__(self, engine: Engine, transport: Transport) -> None:
+        self.engine = engine
+        self.transport = transport
+        self.config = engine.daemon.config
+        self.links: dict[str, PeerLink] = {}
+        self.secret: bytes | None = None
+
+    def get(self, node: str) -> PeerLink:
+        link = self.links.get(node)
+        if link is None:
+            known = sorted(self.links)
+            raise PeerUnavailable(f"no link to peer {node!r} (connected peers: {known or 'none'})")
+        return link
+
+    def welcome(self) -> PeerWelcome:
+        t = self.transport
+        return PeerWelcome(
+            node=self.config.node,
+            software=f"kvd {self.engine.daemon.version}",
+            nixl_agent=t.agent.name,
+            nixl_metadata=t.agent.metadata(),
+            bounce=[
+                RegionDesc(name="recv", addr=t.recv.addr, nbytes=t.recv.nbytes, device=t.recv.device,
+                           slot_bytes=t.recv.slot_bytes, slots=t.recv.slot_count)
+            ],
+            pools=[
+                PoolDesc(name=name, addr=p.ptr, nbytes=p.nbytes, device=p.device, kind=p.kind,
+                         block_bytes=p.block_bytes, num_blocks=p.layout.num_blocks, layout=p.layout, rank=p.rank)
+                for name, p in self.engine.daemon.pools.items()
+            ],
+        )
+
+    async def run(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
+        """Listen for peers, connect to the configured ones; ``started(port)``."""
+        cfg = self.config
+        if cfg.peer_secret_file:
+            self.secret = load_secret(cfg.peer_secret_file)
+        elif cfg.peers:
+            raise BadRequest("peers are configured but peer_secret_file is not: peer links need the shared secret")
+        if self.secret is None:
+            log.info("peer.disabled", reason="no peer_secret_file: this daemon only serves local transfers")
+            task_status.started(0)
+            return
+        listeners = await trio.open_tcp_listeners(cfg.peer_port, host=cfg.peer_host)
+        port = int(listeners[0].socket.getsockname()[1])
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(partial(trio.serve_listeners, self._accept, listeners))
+            for peer in cfg.peers:
+                nursery.start_soon(self._connect_forever, peer.name, peer.host, peer.port)
+            log.info("peer.listening", host=cfg.peer_host, port=port)
+            task_status.started(port)
+
+    async def _accept(self, stream: trio.SocketStream) -> None:
+        assert self.secret is not None
+        try:
+            conn = await accept_peer(stream, node=self.config.node, secret=self.secret, welcome=self.welcome(),
+                                     max_frame_size=self.config.limits.max_frame_size)
+        except KvdError:
+            return  # logged by the handshake (peer.auth_failed, ...); the stream is closed
+        await self._serve(conn)
+
+    async def _connect_forever(self, node: str, host: str, port: int) -> None:
+        """Keep a link to ``node`` up: connect with backoff, serve, reconnect when it drops."""
+        assert self.secret is not None
+        while True:
+            try:
+                conn = await connect_peer(host, port, node=self.config.node, secret=self.secret,
+                                          welcome=self.welcome(), expect_node=node,
+                                          max_frame_size=self.config.limits.max_frame_size, maximum=2.0)
+            except KvdError as exc:
+                log.warning("peer.connect_failed", node=node, host=host, port=port, error=str(exc))
+                await trio.sleep(1.0)
+                continue
+            await self._serve(conn)
+            await trio.sleep(0.1)
+
+    async def _serve(self, conn: PeerConnection) -> None:
+        node = conn.remote_node
+        welcome = conn.welcome
+        assert welcome is not None
+        old = self.links.get(node)
+        if old is not None:  # the peer restarted (or reconnected) before we noticed: replace
+            log.info("peer.replaced", node=node)
+            await old.conn.aclose("replaced by a new link")
+            await old.closed.wait()
+        nixl = self.transport.agent
+        try:
+            agent = await trio.to_thread.run_sync(nixl.add_remote, welcome.nixl_metadata)
+            link = PeerLink(node, conn, welcome, agent)
+        except KvdError as exc:
+            log.warning("peer.rejected", node=node, error=str(exc))
+            await conn.aclose(str(exc))
+            return
+        self.links[node] = link
+        log.info("peer.connected", node=node, remote=conn.remote_addr, nixl_agent=agent)
+        reasons: list[str] = []
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._heartbeats, conn, reasons)
+                try:
+                    while True:
+                        msg = await conn.receive()
+                        if isinstance(msg, x.XferMessage):
+                            await self.engine.on_peer_message(link, msg)
+                        else:
+                            log.debug("peer.ignored_message", node=node, type=type(msg).__name__)
+                except (KvdError, trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+                    reasons.append(exc.message if isinstance(exc, KvdError) else str(exc) or type(exc).__name__)
+                nursery.cancel_scope.cancel()
+        finally:
+            with trio.CancelScope(shield=True):
+                if self.links.get(node) is link:
+                    del self.links[node]
+                reason = reasons[0] if reasons else "daemon shutting down"
+                log.warning("peer.disconnected", node=node, reason=reason)
+                await self.engine.on_link_lost(node, reason)
+                try:
+                    nixl.remove_remote(agent)
+                except KvdError:
+                    pass
+                await conn.aclose()
+                link.closed.set()
+
+    async def _heartbeats(self, conn: PeerConnection, reasons: list[str]) -> None:
+        """Beat until the peer falls silent; then close the link (the receive loop ends)."""
+        t = self.config.transfer
+        try:
+            await run_heartbeats(conn, t.heartbeat_interval_s, t.heartbeat_timeout_s)
+        except (KvdError, trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+            reasons.append(exc.message if isinstance(exc, KvdError) else str(exc))
+            await conn.aclose("heartbeat timeout")

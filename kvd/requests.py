@@ -1,0 +1,186 @@
+"""Registration of a request's blocks by the executors of one side (ctx or gen).
+
+Every rank of a side registers its own pool and blocks (``Expect`` on gen, ``Publish`` on
+ctx). A side is *complete* when every participating rank has registered; only then can the
+engine plan. Registration checks what can be checked locally: the pool exists and matches
+the layout's geometry for that rank, the blocks are leased to the registering session, the
+rank takes part, and all ranks agree on layout, participants and peer.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
+
+import msgspec
+import trio
+
+from protocol import messages as m
+from protocol.errors import BadRequest, DuplicateRequest, IncompatibleLayout, KvdError
+from protocol.layout import KVLayout
+
+if TYPE_CHECKING:
+    from kvd.pool import Pool
+    from kvd.session import Session
+
+Role = Literal["ctx", "gen"]
+
+
+@dataclass(eq=False)
+class RankPart:
+    """One rank's registration: its pool and the request's blocks in it."""
+
+    rank: int
+    pool: Pool
+    block_ids: list[int]
+    session: Session
+
+
+@dataclass(eq=False)
+class Side:
+    """This daemon's side of one request."""
+
+    request_id: str
+    role: Role
+    layout: KVLayout
+    ranks: tuple[int, ...]
+    peer: str
+    deadline: float  # trio clock
+    parts: dict[int, RankPart] = field(default_factory=dict)
+    done: trio.Event = field(default_factory=trio.Event)
+    completion: m.Completion | None = None
+    created: float = field(default_factory=time.monotonic)
+    cancel_scope: trio.CancelScope | None = None
+    # progress, for `kvctl transfers`
+    state: str = "waiting"
+    bytes_total: int = 0
+    bytes_done: int = 0
+    chunks_total: int = 0
+    chunks_done: int = 0
+    path: str = ""
+    started: float = 0.0
+
+    @property
+    def complete(self) -> bool:
+        return len(self.parts) == len(self.ranks)
+
+    def blocks_by_rank(self) -> dict[int, list[int]]:
+        return {r: p.block_ids for r, p in self.parts.items()}
+
+    def sessions(self) -> set[int]:
+        return {p.session.id for p in self.parts.values()}
+
+    def finish(self, completion: m.Completion) -> bool:
+        """Record the outcome once; returns False if it was already finished."""
+        if self.completion is not None:
+            return False
+        self.completion = completion
+        self.state = "done" if completion.ok else "failed"
+        self.done.set()
+        return True
+
+    def fail(self, exc: KvdError, peer: str = "") -> bool:
+        return self.finish(
+            m.Completion(
+                request_id=self.request_id,
+                ok=False,
+                peer=peer or self.peer,
+                path=self.path,
+                bytes=self.bytes_done,
+                chunks=self.chunks_done,
+                duration_s=time.monotonic() - self.created,
+                error_code=exc.code,
+                error_message=exc.message,
+            )
+        )
+
+    def info(self) -> m.TransferInfo:
+        return m.TransferInfo(
+            request_id=self.request_id,
+            role=self.role,
+            peer=self.peer,
+            state=self.state,
+            bytes_total=self.bytes_total,
+            bytes_done=self.bytes_done,
+            chunks_total=self.chunks_total,
+            chunks_done=self.chunks_done,
+            path=self.path,
+            started_s=self.started,
+            duration_s=time.monotonic() - self.created,
+            error=self.completion.error_message if self.completion and not self.completion.ok else "",
+        )
+
+
+def _without_blocks(layout: KVLayout) -> KVLayout:
+    return msgspec.structs.replace(layout, num_blocks=0)
+
+
+def check_pool_matches(pool: Pool, layout: KVLayout, rank: int) -> KVLayout:
+    """The layout with the pool's block count; raises if the pool cannot hold ``rank``."""
+    if not 0 <= rank < layout.world_size:
+        raise BadRequest(f"rank {rank} is outside the layout's world size {layout.world_size}")
+    resolved = msgspec.structs.replace(layout, num_blocks=pool.layout.num_blocks)
+    if layout.num_blocks not in (0, pool.layout.num_blocks):
+        raise IncompatibleLayout(
+            f"layout says num_blocks={layout.num_blocks}, pool {pool.name!r} has {pool.layout.num_blocks}"
+        )
+    want = resolved.pool_shape(rank)
+    have = pool.layout.pool_shape(pool.rank)
+    if want != have or resolved.dtype != pool.layout.dtype or resolved.axis_order != pool.layout.axis_order:
+        raise IncompatibleLayout(
+            f"pool {pool.name!r} holds shape {list(have)} {pool.layout.dtype} in axis order "
+            f"{list(pool.layout.axis_order)}; rank {rank} of the given layout needs shape {list(want)} "
+            f"{resolved.dtype} in {list(resolved.axis_order)}"
+        )
+    return resolved
+
+
+def add_registration(
+    sides: dict[tuple[str, Role], Side],
+    session: Session,
+    msg: m.Expect | m.Publish,
+    pool: Pool,
+    role: Role,
+    deadline: float,
+) -> Side:
+    """Validate ``msg`` and add it to (or start) its side; returns the side."""
+    layout = check_pool_matches(pool, msg.layout, msg.rank)
+    pool.blocks.check_leased(session.id, msg.block_ids)
+    if len(set(msg.block_ids)) != len(msg.block_ids):
+        raise BadRequest(f"request {msg.request_id!r}: block ids repeat")
+    if not msg.block_ids:
+        raise BadRequest(f"request {msg.request_id!r}: no blocks given")
+    ranks = tuple(sorted(set(msg.ranks))) if msg.ranks is not None else tuple(range(layout.world_size))
+    if msg.ranks is not None:
+        if len(ranks) != len(msg.ranks) or not ranks:
+            raise BadRequest(f"request {msg.request_id!r}: ranks {msg.ranks} must be distinct and non-empty")
+        if any(not 0 <= r < layout.world_size for r in ranks):
+            raise BadRequest(f"request {msg.request_id!r}: ranks {msg.ranks} outside world size {layout.world_size}")
+        if not layout.attention_dp and len(ranks) != layout.world_size:
+            raise BadRequest(
+                f"request {msg.request_id!r}: without attention DP every rank takes part; got ranks {msg.ranks}"
+            )
+    if msg.rank not in ranks:
+        raise BadRequest(f"request {msg.request_id!r}: rank {msg.rank} is not among participants {list(ranks)}")
+    peer = msg.peer if isinstance(msg, m.Publish) else ""
+    key = (msg.request_id, role)
+    side = sides.get(key)
+    if side is None or side.completion is not None:
+        if side is not None:
+            raise DuplicateRequest(f"request {msg.request_id!r} ({role}) already ran; use a new request id")
+        side = Side(msg.request_id, role, layout, ranks, peer, deadline)
+        side.parts[msg.rank] = RankPart(msg.rank, pool, list(msg.block_ids), session)
+        sides[key] = side
+        return side
+    if _without_blocks(side.layout) != _without_blocks(layout):
+        raise IncompatibleLayout(f"request {msg.request_id!r}: rank {msg.rank} gives a different layout than earlier ranks")
+    if side.ranks != ranks:
+        raise BadRequest(f"request {msg.request_id!r}: participants {list(ranks)} differ from earlier {list(side.ranks)}")
+    if side.peer != peer:
+        raise BadRequest(f"request {msg.request_id!r}: peer {peer!r} differs from earlier {side.peer!r}")
+    if msg.rank in side.parts:
+        raise DuplicateRequest(f"request {msg.request_id!r}: rank {msg.rank} already registered ({role})")
+    side.parts[msg.rank] = RankPart(msg.rank, pool, list(msg.block_ids), session)
+    side.deadline = min(side.deadline, deadline)
+    return side

@@ -1,0 +1,103 @@
+"""Fixed-size slots of a registered staging/bounce region, shared fairly between transfers.
+
+The receive region on the gen side and the send staging region on the ctx side are each
+cut into ``chunk_bytes`` slots. Transfers ask for slots; when slots are short they are
+handed out round-robin over the transfers that are waiting, one slot per turn, so one big
+request cannot starve the others ("several requests in flight share the bounce regions
+fairly"). Every slot given out is tracked per owner so that a failed or cancelled
+transfer's slots are all reclaimed (``release_owner``).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+
+import trio
+
+
+class SlotPool:
+    """``count`` slots, handed out fairly to owners (request ids)."""
+
+    def __init__(self, count: int) -> None:
+        if count < 1:
+            raise ValueError("a slot pool needs at least one slot")
+        self.count = count
+        self._free: deque[int] = deque(range(count))
+        self._owned: dict[str, set[int]] = {}
+        # owner -> queue of (event, box) waiting for one slot each; OrderedDict = round-robin order
+        self._waiting: OrderedDict[str, deque[tuple[trio.Event, list[int]]]] = OrderedDict()
+
+    @property
+    def in_use(self) -> int:
+        return self.count - len(self._free)
+
+    def owned_by(self, owner: str) -> set[int]:
+        return set(self._owned.get(owner, ()))
+
+    async def acquire(self, owner: str) -> int:
+        """Wait for one slot for ``owner``; cancellable without losing the slot."""
+        if self._free and not self._waiting:
+            return self._give(owner, self._free.popleft())
+        event, box = trio.Event(), []
+        self._waiting.setdefault(owner, deque()).append((event, box))
+        try:
+            await event.wait()
+        except BaseException:
+            if box:  # granted while we were being cancelled: give it back
+                self.release(owner, box[0])
+            else:
+                self._drop_waiter(owner, event)
+            raise
+        return box[0]
+
+    def try_acquire(self, owner: str) -> int | None:
+        """A slot now, or None."""
+        if self._free and not self._waiting:
+            return self._give(owner, self._free.popleft())
+        return None
+
+    def release(self, owner: str, slot: int) -> None:
+        """Return one slot; it goes to the next waiting owner in round-robin order."""
+        owned = self._owned.get(owner)
+        if owned is None or slot not in owned:
+            raise ValueError(f"slot {slot} is not held by {owner!r}")
+        owned.discard(slot)
+        if not owned:
+            del self._owned[owner]
+        self._hand_out(slot)
+
+    def release_owner(self, owner: str) -> int:
+        """Return every slot ``owner`` holds and drop its waiters; returns how many slots."""
+        slots = self._owned.pop(owner, set())
+        self._waiting.pop(owner, None)
+        for slot in slots:
+            self._hand_out(slot)
+        return len(slots)
+
+    def _give(self, owner: str, slot: int) -> int:
+        self._owned.setdefault(owner, set()).add(slot)
+        return slot
+
+    def _hand_out(self, slot: int) -> None:
+        while self._waiting:
+            owner, queue = next(iter(self._waiting.items()))
+            event, box = queue.popleft()
+            # round-robin: this owner goes to the back of the line
+            del self._waiting[owner]
+            if queue:
+                self._waiting[owner] = queue
+            box.append(self._give(owner, slot))
+            event.set()
+            return
+        self._free.append(slot)
+
+    def _drop_waiter(self, owner: str, event: trio.Event) -> None:
+        queue = self._waiting.get(owner)
+        if queue is None:
+            return
+        for i, (ev, _box) in enumerate(queue):
+            if ev is event:
+                del queue[i]
+                break
+        if not queue:
+            del self._waiting[owner]

@@ -1,0 +1,99 @@
+"""Transfer-control messages between two kvd daemons (over the authenticated peer link).
+
+Sans-IO data only. The bytes themselves go over NIXL; these messages match a request across
+the daemons, hand out receive credits and report the outcome:
+
+    ctx daemon                                 gen daemon
+    XferOffer(layout, blocks, deadline)  ──▶   (waits until its executors' Expect is complete)
+                                         ◀──   XferAccept(layout, blocks, pool regions)
+    -- both plan the same regroup; path = direct (equal layouts) or bounce --
+                                         ◀──   XferGrant(slot)        (one per free receive slot)
+    NIXL WRITE staging slot → remote slot, notification (request, seq, slot)
+                                               scatter slot → blocks, slot freed, next grant
+    XferFallback (no credit in time: per-fragment writes straight into the blocks)
+    XferDone(writes, bytes)              ──▶
+                                         ◀──   XferComplete(bytes)
+    XferFail(code, message) either way, at any point.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from protocol.layout import KVLayout
+
+
+class RemoteRegion(msgspec.Struct, frozen=True, kw_only=True):
+    """A NIXL-registered memory region of the peer daemon."""
+
+    addr: int
+    nbytes: int
+    device: int  # -1 = host memory (DRAM), else CUDA ordinal (VRAM)
+
+
+class XferMessage(msgspec.Struct, frozen=True, tag_field="type", kw_only=True):
+    """Base of the transfer-control messages; ``request_id`` names the request."""
+
+    request_id: str
+
+
+class XferOffer(XferMessage, frozen=True, tag="xfer_offer"):
+    layout: KVLayout
+    blocks: dict[int, list[int]]
+    deadline_s: float  # seconds left on the ctx side when sent
+
+
+class XferAccept(XferMessage, frozen=True, tag="xfer_accept"):
+    layout: KVLayout
+    blocks: dict[int, list[int]]
+    pools: dict[int, RemoteRegion]  # gen rank -> its pool region (for direct/fallback writes)
+
+
+class XferGrant(XferMessage, frozen=True, tag="xfer_grant"):
+    slot: int
+
+
+class XferFallback(XferMessage, frozen=True, tag="xfer_fallback"):
+    reason: str
+
+
+class XferDone(XferMessage, frozen=True, tag="xfer_done"):
+    writes: int  # NIXL writes (notifications) the receiver must have seen
+    bytes: int
+    chunks: int
+
+
+class XferComplete(XferMessage, frozen=True, tag="xfer_complete"):
+    bytes: int
+
+
+class XferFail(XferMessage, frozen=True, tag="xfer_fail"):
+    code: str
+    message: str
+
+
+XFER_MESSAGES = (XferOffer, XferAccept, XferGrant, XferFallback, XferDone, XferComplete, XferFail)
+
+
+class Notif(msgspec.Struct, frozen=True, array_like=True):
+    """NIXL notification payload of one write: which request, which write, which slot."""
+
+    request_id: str
+    seq: int
+    slot: int  # receive slot for bounce writes, -1 for writes straight into the blocks
+
+
+_notif_encoder = msgspec.msgpack.Encoder()
+_notif_decoder = msgspec.msgpack.Decoder(Notif)
+
+
+def encode_notif(n: Notif) -> bytes:
+    return _notif_encoder.encode(n)
+
+
+def decode_notif(data: bytes) -> Notif | None:
+    """Decode a notification; ``None`` when it is not one of ours."""
+    try:
+        return _notif_decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None

@@ -1,0 +1,61 @@
+"""Shared fixtures: real daemons in subprocesses, short socket paths, loopback-only NIXL."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+# Tests talk to loopback only: UCX would otherwise also use the machine's other interfaces.
+os.environ["UCX_NET_DEVICES"] = "lo"
+
+from kvd.launch import DaemonProcess, start_daemon  # noqa: E402
+
+
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    """A short temp dir: AF_UNIX paths are limited to 107 bytes, pytest's tmp_path can exceed it."""
+    path = Path(tempfile.mkdtemp(prefix="kvdt-", dir="/tmp"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def host_pool(name: str = "host0", **overrides: Any) -> dict[str, Any]:
+    """A small host pool config (GPT-OSS-shaped heads/head_dim, few layers)."""
+    pool: dict[str, Any] = {
+        "name": name,
+        "memory": "host",
+        "device": -1,
+        "num_layers": 4,
+        "num_kv_heads": 8,
+        "head_dim": 64,
+        "tokens_per_block": 32,
+        "dtype": "bfloat16",
+        "num_blocks": 64,
+    }
+    pool.update(overrides)
+    return pool
+
+
+@pytest.fixture
+def daemon_factory(short_tmp: Path) -> Iterator[Callable[..., DaemonProcess]]:
+    """Start real kvd subprocesses; every one still running is stopped at teardown."""
+    started: list[DaemonProcess] = []
+
+    def factory(config: dict[str, Any] | None = None, *, name: str = "kvd", env: dict[str, str] | None = None) -> DaemonProcess:
+        cfg: dict[str, Any] = {"pools": [host_pool()], "transfer": {"bounce_size_mb": 16, "chunk_mb": 2}}
+        cfg.update(config or {})
+        d = start_daemon(cfg, workdir=short_tmp, name=name, env=env)
+        started.append(d)
+        return d
+
+    yield factory
+    for d in started:
+        d.kill()
