@@ -99,6 +99,9 @@ class TransferConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
     nixl_progress_thread: bool = False  # DESIGN.md: off is faster on small hosts
     heartbeat_interval_s: float = 2.0  # peer-link heartbeat period
     heartbeat_timeout_s: float = 10.0  # silence after which a peer is declared gone
+    # Fault injection for tests and drills: a receiver that never grants bounce credit
+    # (senders then fall back to per-fragment writes after bounce_wait_s, or time out).
+    grant_credits: bool = True
 
 
 class LimitsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

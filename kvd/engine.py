@@ -58,6 +58,18 @@ log = structlog.get_logger("kvd.transfer")
 MAX_DESCS_PER_WRITE = 8192
 
 
+def _first_kvd_error(exc: BaseException) -> KvdError | None:
+    """The KvdError inside ``exc`` (which may be a nursery's exception group), if any."""
+    if isinstance(exc, KvdError):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            found = _first_kvd_error(inner)
+            if found is not None:
+                return found
+    return None
+
+
 class _Incoming:
     """gen-side state of a transfer in progress (bounce/direct receive)."""
 
@@ -269,9 +281,11 @@ class Engine:
                             ),
                             notify_peer=True,
                         )
-                except KvdError as exc:
-                    await self._fail_side(side, exc, notify_peer=True)
                 except Exception as exc:
+                    kvd_exc = _first_kvd_error(exc)
+                    if kvd_exc is not None:
+                        await self._fail_side(side, kvd_exc, notify_peer=True)
+                        return
                     log.exception("transfer.internal_error")
                     await self._fail_side(side, TransferError(f"internal error: {type(exc).__name__}: {exc}"), notify_peer=True)
         finally:
@@ -373,7 +387,12 @@ class Engine:
     # -- ctx (sender) -----------------------------------------------------------------------
     async def _run_sender(self, side: Side) -> None:
         assert self.links is not None
-        link = self.links.get(side.peer)
+        side.state = "waiting for peer link"
+        links = self.links
+        with trio.move_on_at(side.deadline - 0.05) as scope:
+            link = await links.wait_for(side.peer)
+        if scope.cancelled_caught:
+            raise PeerUnavailable(f"request {side.request_id!r}: {links.describe_missing(side.peer)} before the deadline")
         out = _Outgoing()
         self.outgoing[side.request_id] = out
         side.state = "offered"
@@ -546,6 +565,9 @@ class Engine:
         scattered = 0
 
         async def grant_slots(cancel: trio.CancelScope) -> None:
+            if not self.cfg.grant_credits:  # fault injection: a receiver that never grants
+                log.warning("transfer.credits_withheld", request_id=rid, reason="transfer.grant_credits = false")
+                return
             with cancel:
                 for _ in range(total):
                     slot = await self.recv_slots.acquire(rid)

@@ -62,6 +62,8 @@ class PeerLinks:
         self.config = engine.daemon.config
         self.links: dict[str, PeerLink] = {}
         self.secret: bytes | None = None
+        self.last_error: dict[str, str] = {}  # peer -> why its last connect failed
+        self._changed = trio.Event()  # set (and replaced) whenever a link comes up
 
     def get(self, node: str) -> PeerLink:
         link = self.links.get(node)
@@ -69,6 +71,19 @@ class PeerLinks:
             known = sorted(self.links)
             raise PeerUnavailable(f"no link to peer {node!r} (connected peers: {known or 'none'})")
         return link
+
+    async def wait_for(self, node: str) -> PeerLink:
+        """The link to ``node``, waiting for it to come up (the caller's deadline applies)."""
+        while node not in self.links:
+            if self.secret is None:
+                raise PeerUnavailable(f"no link to peer {node!r}: peer links are disabled (no peer_secret_file)")
+            await self._changed.wait()
+        return self.links[node]
+
+    def describe_missing(self, node: str) -> str:
+        """Why there is no link to ``node`` (for error messages)."""
+        why = self.last_error.get(node)
+        return f"no link to peer {node!r}" + (f" (last attempt: {why})" if why else " (it never connected)")
 
     def welcome(self) -> PeerWelcome:
         t = self.transport
@@ -126,6 +141,7 @@ class PeerLinks:
                                           welcome=self.welcome(), expect_node=node,
                                           max_frame_size=self.config.limits.max_frame_size, maximum=2.0)
             except KvdError as exc:
+                self.last_error[node] = str(exc)
                 log.warning("peer.connect_failed", node=node, host=host, port=port, error=str(exc))
                 await trio.sleep(1.0)
                 continue
@@ -150,6 +166,9 @@ class PeerLinks:
             await conn.aclose(str(exc))
             return
         self.links[node] = link
+        self.last_error.pop(node, None)
+        self._changed.set()
+        self._changed = trio.Event()
         log.info("peer.connected", node=node, remote=conn.remote_addr, nixl_agent=agent)
         reasons: list[str] = []
         try:

@@ -1,0 +1,240 @@
+"""Faults during transfers: each ends in a clear error on both sides within the deadline, and
+nothing stays leased (blocks) or in use (bounce chunks) afterwards, as the daemons' stats say."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import trio
+
+from clients import open_client
+from kvd.launch import DaemonProcess
+from protocol.errors import KvdError, PeerUnavailable, TransferCancelled, TransferTimeout
+from protocol.layout import KVLayout
+from tests.transfer_harness import assert_exact, run_transfer, start_pair, wait_for_peer, write_secret
+
+Factory = Callable[..., DaemonProcess]
+GEO = {"num_layers": 4, "num_kv_heads": 8, "head_dim": 64, "tokens_per_block": 16, "dtype": "bfloat16"}
+CTX = KVLayout(**GEO)  # type: ignore[arg-type]
+GEN = KVLayout(**GEO, tp_size=2)  # type: ignore[arg-type]
+
+
+async def assert_clean(*daemons: DaemonProcess) -> None:
+    """No lease, no bounce chunk in use, no transfer running (executors have disconnected)."""
+    for d in daemons:
+        async with open_client(d.socket_path, client="checker") as c:
+            with trio.fail_after(10):
+                while True:
+                    st = await c.stats()
+                    if st.blocks_leased == 0 and st.bounce_chunks_in_use == 0 and st.transfers_active == 0:
+                        break
+                    await trio.sleep(0.05)
+
+
+async def register_gen(d: DaemonProcess, rid: str, *, deadline_s: float, nursery: trio.Nursery,
+                       results: dict[int, BaseException | object], blocks: int = 4) -> None:
+    """Both gen ranks expect ``rid``; their wait outcomes land in ``results``."""
+
+    async def rank(r: int, task_status: trio.TaskStatus[None]) -> None:
+        async with open_client(d.socket_path, client=f"gen{r}") as c:
+            ids = await c.alloc(f"gen{r}", blocks)
+            await c.expect(rid, f"gen{r}", GEN, r, ids, deadline_s=deadline_s)
+            task_status.started()
+            t0 = time.monotonic()
+            try:
+                results[r] = await c.wait(rid)
+            except KvdError as exc:
+                results[r] = exc
+            results[r + 100] = time.monotonic() - t0
+
+    for r in range(2):
+        await nursery.start(rank, r)
+
+
+async def publish_ctx(d: DaemonProcess, rid: str, *, deadline_s: float, blocks: int = 4) -> BaseException | object:
+    async with open_client(d.socket_path, client="ctx0") as c:
+        ids = await c.alloc("ctx0", blocks)
+        await c.publish(rid, "ctx0", CTX, 0, ids, peer="gen", deadline_s=deadline_s)
+        try:
+            return await c.wait(rid)
+        except KvdError as exc:
+            return exc
+
+
+async def test_deadline_expiry_when_ctx_never_publishes(daemon_factory: Factory, short_tmp: Path) -> None:
+    pair = start_pair(daemon_factory, short_tmp, CTX, GEN)
+    results: dict[int, object] = {}
+    async with trio.open_nursery() as n:
+        await register_gen(pair.gen, "r-deadline", deadline_s=1.0, nursery=n, results=results)
+    for r in range(2):
+        assert isinstance(results[r], TransferTimeout), results[r]
+        assert "deadline" in str(results[r])
+        assert results[r + 100] < 3.0  # type: ignore[operator]
+    await assert_clean(pair.ctx, pair.gen)
+
+
+async def test_deadline_expiry_when_gen_never_expects(daemon_factory: Factory, short_tmp: Path) -> None:
+    pair = start_pair(daemon_factory, short_tmp, CTX, GEN)
+    t0 = time.monotonic()
+    res = await publish_ctx(pair.ctx, "r-noexpect", deadline_s=1.0)
+    assert isinstance(res, TransferTimeout), res
+    assert time.monotonic() - t0 < 3.0
+    await assert_clean(pair.ctx, pair.gen)
+
+
+async def test_peer_without_the_secret_is_refused(daemon_factory: Factory, short_tmp: Path) -> None:
+    gen_secret = write_secret(short_tmp, "gen.secret")
+    ctx_secret = write_secret(short_tmp, "ctx.secret")
+    from tests.transfer_harness import pools_for
+
+    gen = daemon_factory({"pools": pools_for("gen", GEN, 16), "peer_secret_file": gen_secret}, name="gen")
+    ctx = daemon_factory({"pools": pools_for("ctx", CTX, 16), "peer_secret_file": ctx_secret,
+                          "peers": [{"name": "gen", "host": "127.0.0.1", "port": gen.peer_port}]}, name="ctx")
+    results: dict[int, object] = {}
+    async with trio.open_nursery() as n:
+        await register_gen(gen, "r-auth", deadline_s=2.0, nursery=n, results=results)
+        res = await publish_ctx(ctx, "r-auth", deadline_s=2.0)
+    assert isinstance(res, PeerUnavailable), res
+    assert "auth" in str(res).lower()
+    for r in range(2):
+        assert isinstance(results[r], TransferTimeout), results[r]
+    assert '"peer.auth_failed"' in gen.log() and '"peer.auth_failed"' in ctx.log()
+    await assert_clean(ctx, gen)
+
+
+async def test_peer_that_never_grants_credit_times_out_both_sides(daemon_factory: Factory, short_tmp: Path) -> None:
+    pair = start_pair(daemon_factory, short_tmp, CTX, GEN, transfer={"bounce_wait_s": 30.0},
+                      gen_extra={"transfer": {"bounce_size_mb": 4, "chunk_mb": 1, "grant_credits": False}})
+    results: dict[int, object] = {}
+    async with trio.open_nursery() as n:
+        await register_gen(pair.gen, "r-nocredit", deadline_s=2.0, nursery=n, results=results)
+        async with open_client(pair.ctx.socket_path) as c:
+            await wait_for_peer(c)
+        res = await publish_ctx(pair.ctx, "r-nocredit", deadline_s=1.5)
+    assert isinstance(res, TransferTimeout), res
+    assert "streaming" in str(res) or "deadline" in str(res)
+    for r in range(2):
+        assert isinstance(results[r], KvdError), results[r]
+    await assert_clean(pair.ctx, pair.gen)
+
+
+async def test_no_credit_within_bound_falls_back_per_fragment(daemon_factory: Factory, short_tmp: Path) -> None:
+    pair = start_pair(daemon_factory, short_tmp, CTX, GEN, transfer={"bounce_wait_s": 0.3},
+                      gen_extra={"transfer": {"bounce_size_mb": 4, "chunk_mb": 1, "grant_credits": False}})
+    out = await run_transfer(pair, CTX, GEN, request_id="r-fallback", blocks=4)
+    assert_exact(out, GEN)
+    for c in [*out.ctx.values(), *out.gen.values()]:
+        assert c.path == "fragment-fallback" and c.fallback == "fragment", c
+    assert '"transfer.bounce_fallback"' in pair.ctx.log()
+    await assert_clean(pair.ctx, pair.gen)
+
+
+async def test_peer_killed_mid_transfer(daemon_factory: Factory, short_tmp: Path) -> None:
+    geo = {**GEO, "num_layers": 32}
+    ctx_l, gen_l = KVLayout(**geo), KVLayout(**{**geo, "tp_size": 2})  # type: ignore[arg-type]
+    pair = start_pair(daemon_factory, short_tmp, ctx_l, gen_l, num_blocks=64,
+                      transfer={"bounce_size_mb": 2, "chunk_mb": 1})
+    results: dict[int, object] = {}
+
+    async def gen_rank(r: int, task_status: trio.TaskStatus[None]) -> None:
+        async with open_client(pair.gen.socket_path) as c:
+            ids = await c.alloc(f"gen{r}", 64)
+            await c.expect("r-kill", f"gen{r}", gen_l, r, ids, deadline_s=20)
+            task_status.started()
+            try:
+                results[r] = await c.wait("r-kill")
+            except KvdError as exc:
+                results[r] = exc
+
+    async def killer() -> None:
+        async with open_client(pair.gen.socket_path) as c:
+            while not any(t.state == "receiving" and t.chunks_done > 0 for t in await c.transfers()):
+                await trio.sleep(0.002)
+        os.kill(pair.gen.pid, signal.SIGKILL)
+
+    t0 = time.monotonic()
+    async with trio.open_nursery() as n:
+        for r in range(2):
+            await n.start(gen_rank, r)
+        n.start_soon(killer)
+        async with open_client(pair.ctx.socket_path) as c:
+            ids = await c.alloc("ctx0", 64)
+            await c.publish("r-kill", "ctx0", ctx_l, 0, ids, peer="gen", deadline_s=20)
+            with pytest.raises((PeerUnavailable, KvdError)) as info:
+                await c.wait("r-kill")
+    assert time.monotonic() - t0 < 15
+    assert isinstance(info.value, PeerUnavailable) or "disconnect" in str(info.value), info.value
+    for r in range(2):  # the gen executors lost their daemon: a clean connection error
+        assert isinstance(results[r], KvdError), results[r]
+    await assert_clean(pair.ctx)
+
+
+EXECUTOR = """
+import sys, time, os
+from clients import Client
+from protocol.layout import KVLayout
+c = Client(sys.argv[1])
+ids = c.alloc("ctx0", 4)
+c.publish("r-exec", "ctx0", KVLayout(4, 8, 64, 16, "bfloat16"), 0, ids, peer="gen", deadline_s=30)
+print("published", flush=True)
+time.sleep(60)
+"""
+
+
+async def test_executor_killed_after_publish(daemon_factory: Factory, short_tmp: Path) -> None:
+    # no credit, long bounce wait: the transfer is still in flight when the executor dies
+    pair = start_pair(daemon_factory, short_tmp, CTX, GEN, transfer={"bounce_wait_s": 30.0},
+                      gen_extra={"transfer": {"bounce_size_mb": 4, "chunk_mb": 1, "grant_credits": False}})
+    results: dict[int, object] = {}
+    async with trio.open_nursery() as n:
+        await register_gen(pair.gen, "r-exec", deadline_s=30.0, nursery=n, results=results)
+        async with open_client(pair.ctx.socket_path) as c:
+            await wait_for_peer(c)
+        proc = subprocess.Popen([sys.executable, "-c", EXECUTOR, pair.ctx.socket_path], stdout=subprocess.PIPE)
+        assert proc.stdout is not None
+        line = await trio.to_thread.run_sync(proc.stdout.readline)
+        assert line.strip() == b"published"
+        await trio.sleep(0.3)
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()
+    for r in range(2):
+        assert isinstance(results[r], TransferCancelled), results[r]
+        assert "session" in str(results[r])
+        assert results[r + 100] < 10  # type: ignore[operator]
+    await assert_clean(pair.ctx, pair.gen)
+
+
+async def test_cancel_by_request_id(daemon_factory: Factory, short_tmp: Path) -> None:
+    pair = start_pair(daemon_factory, short_tmp, CTX, GEN)
+    results: dict[int, object] = {}
+    async with trio.open_nursery() as n:
+        await register_gen(pair.gen, "r-cancel", deadline_s=30.0, nursery=n, results=results)
+        async with open_client(pair.gen.socket_path) as c:
+            await c.cancel("r-cancel")
+    for r in range(2):
+        assert isinstance(results[r], TransferCancelled), results[r]
+    await assert_clean(pair.gen)
+
+
+async def test_restarted_peer_is_reconnected(daemon_factory: Factory, short_tmp: Path) -> None:
+    pair = start_pair(daemon_factory, short_tmp, CTX, GEN)
+    out = await run_transfer(pair, CTX, GEN, request_id="r-before", blocks=4)
+    assert_exact(out, GEN)
+    port = pair.gen.peer_port
+    pair.gen.kill()
+    from tests.transfer_harness import pools_for
+
+    secret = str(short_tmp / "peer.secret")
+    gen2 = daemon_factory({"pools": pools_for("gen", GEN, 16), "peer_secret_file": secret, "peer_port": port,
+                           "transfer": {"bounce_size_mb": 4, "chunk_mb": 1}}, name="gen")
+    pair.gen = gen2
+    out = await run_transfer(pair, CTX, GEN, request_id="r-after", blocks=4)
+    assert_exact(out, GEN)
