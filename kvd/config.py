@@ -102,6 +102,9 @@ class TransferConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
     # Fault injection for tests and drills: a receiver that never grants bounce credit
     # (senders then fall back to per-fragment writes after bounce_wait_s, or time out).
     grant_credits: bool = True
+    # Same-node peers: attach the peer's pools over its Unix socket and regroup straight into
+    # them (path "mapped": no NIXL, no bounce). Off = always go through NIXL.
+    mapped: bool = True
 
 
 class LimitsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

@@ -74,12 +74,14 @@ class _Incoming:
     """gen-side state of a transfer in progress (bounce/direct receive)."""
 
     def __init__(self) -> None:
-        self.notifs: trio.MemorySendChannel[x.Notif]
-        self.notifs_rx: trio.MemoryReceiveChannel[x.Notif]
-        self.notifs, self.notifs_rx = trio.open_memory_channel[x.Notif](math.inf)
+        # NIXL notifications of this transfer; None = "a control message arrived, re-check"
+        self.notifs: trio.MemorySendChannel[x.Notif | None]
+        self.notifs_rx: trio.MemoryReceiveChannel[x.Notif | None]
+        self.notifs, self.notifs_rx = trio.open_memory_channel[x.Notif | None](math.inf)
         self.done_msg: x.XferDone | None = None
         self.done_event = trio.Event()
-        self.fallback = trio.Event()
+        self.fallback = trio.Event()  # the sender needs no receive slots (mapped / fragment path)
+        self.path = ""
 
 
 class _Outgoing:
@@ -409,7 +411,13 @@ class Engine:
         assert accept is not None
         p = await trio.to_thread.run_sync(partial(plan, side.layout, accept.layout, side.blocks_by_rank(), accept.blocks))
         side.bytes_total = p.total_bytes()
-        if p.direct:
+        mapped = {r: link.mapped.get(name) for r, name in accept.pool_names.items()}
+        if mapped and all(m is not None for m in mapped.values()) and set(p.dst_ranks()) <= set(mapped):
+            side.path = "mapped"
+            await link.send(x.XferPath(request_id=side.request_id, path="mapped"))
+            await self._copy_mapped(side, p, {r: m for r, m in mapped.items() if m is not None})
+            writes, chunks, fallback = 0, len(p.pairs()), ""
+        elif p.direct:
             side.path = "direct"
             writes = await self._send_fragments(side, link, p, accept)
             chunks = writes
@@ -425,7 +433,7 @@ class Engine:
                 log.warning("transfer.bounce_fallback", request_id=side.request_id, peer=side.peer, reason=reason,
                             fragments=p.num_fragments())
                 self.daemon.metrics.fallback("bounce")
-                await link.send(x.XferFallback(request_id=side.request_id, reason=reason))
+                await link.send(x.XferPath(request_id=side.request_id, path="fragment-fallback", reason=reason))
                 side.path = "fragment-fallback"
                 writes = await self._send_fragments(side, link, p, accept, per_fragment=True)
                 chunks, fallback = writes, "fragment"
@@ -437,6 +445,17 @@ class Engine:
         await link.send(x.XferDone(request_id=side.request_id, writes=writes, bytes=side.bytes_total, chunks=chunks))
         await out.completed.wait()
         self._succeed(side, nbytes=side.bytes_total, path=side.path, chunks=chunks, fallback=fallback)
+
+    async def _copy_mapped(self, side: Side, p: Plan, mapped: dict[int, Any]) -> None:
+        """Regroup straight into the peer's pools, mapped here (same node): no NIXL, no bounce."""
+        side.state = "copying"
+        side.chunks_total = len(p.pairs())
+        for s, d in p.pairs():
+            src = side.parts[s].pool.tensor_u8()
+            dst = mapped[d].raw
+            await trio.to_thread.run_sync(p.copier(s, d).copy, src, dst)
+            side.bytes_done += p.total_bytes(s, d)
+            side.chunks_done += 1
 
     async def _send_fragments(
         self, side: Side, link: PeerLink, p: Plan, accept: x.XferAccept, *, per_fragment: bool = False
@@ -529,20 +548,24 @@ class Engine:
             r: x.RemoteRegion(addr=part.pool.ptr, nbytes=part.pool.nbytes, device=part.pool.device)
             for r, part in side.parts.items()
         }
-        await link.send(x.XferAccept(request_id=side.request_id, layout=side.layout, blocks=side.blocks_by_rank(), pools=regions))
+        names = {r: part.pool.name for r, part in side.parts.items()}
+        await link.send(x.XferAccept(request_id=side.request_id, layout=side.layout, blocks=side.blocks_by_rank(),
+                                     pools=regions, pool_names=names))
         side.state = "receiving"
         if p.direct:
             side.path = "direct"
             writes = await self._receive_direct(side, inc)
             fallback = ""
+            if inc.path:
+                side.path = inc.path
         else:
             sched = await trio.to_thread.run_sync(partial(schedule, p, chunk_bytes=self.chunk_bytes))
             side.chunks_total = sched.num_chunks()
             side.path = "bounce"
             writes = await self._receive_bounce(side, link, sched, inc)
-            fallback = "fragment" if inc.fallback.is_set() else ""
-            if fallback:
-                side.path = "fragment-fallback"
+            fallback = "fragment" if inc.path == "fragment-fallback" else ""
+            if inc.path:
+                side.path = inc.path
         await link.send(x.XferComplete(request_id=side.request_id, bytes=side.bytes_total))
         self._succeed(side, nbytes=side.bytes_total, path=side.path, chunks=writes, fallback=fallback)
 
@@ -553,8 +576,7 @@ class Engine:
             if inc.done_msg is not None and seen >= inc.done_msg.writes:
                 side.bytes_done = side.bytes_total
                 return seen
-            with trio.move_on_after(0.05):
-                await inc.notifs_rx.receive()
+            if await inc.notifs_rx.receive() is not None:
                 seen += 1
                 side.chunks_done = seen
 
@@ -583,6 +605,7 @@ class Engine:
             scattered += 1
             side.chunks_done = scattered
             side.bytes_done += chunk.nbytes
+            inc.notifs.send_nowait(None)  # wake the loop: the last scatter may end the transfer
 
         granting = trio.CancelScope()
         async with trio.open_nursery() as nursery:
@@ -596,8 +619,8 @@ class Engine:
                         break
                 elif scattered == total and seen == total:
                     break
-                with trio.move_on_after(0.05):
-                    n = await inc.notifs_rx.receive()
+                n = await inc.notifs_rx.receive()
+                if n is not None:
                     seen += 1
                     if n.slot >= 0:
                         if n.seq >= total:
@@ -637,16 +660,19 @@ class Engine:
             if out is not None:
                 out.grants_tx.send_nowait(msg.slot)
             return
-        if isinstance(msg, x.XferFallback):
+        if isinstance(msg, x.XferPath):
             inc = self.incoming.get(rid)
             if inc is not None:
+                inc.path = msg.path
                 inc.fallback.set()
+                inc.notifs.send_nowait(None)
             return
         if isinstance(msg, x.XferDone):
             inc = self.incoming.get(rid)
             if inc is not None:
                 inc.done_msg = msg
                 inc.done_event.set()
+                inc.notifs.send_nowait(None)
             return
         if isinstance(msg, x.XferComplete):
             out = self.outgoing.get(rid)

@@ -21,6 +21,7 @@ from protocol.errors import BadRequest, KvdError, PeerUnavailable
 from protocol.peer import PeerWelcome, PoolDesc, RegionDesc, register_peer_messages
 
 if TYPE_CHECKING:
+    from clients.attach import MappedPool
     from kvd.engine import Engine
     from kvd.peer import PeerConnection
     from kvd.transport_setup import Transport
@@ -28,6 +29,34 @@ if TYPE_CHECKING:
 log = structlog.get_logger("kvd.peer")
 
 register_peer_messages(*x.XFER_MESSAGES)
+
+
+def host_identity() -> str:
+    """Boot id + hostname: two daemons that report the same value share a node (and memory)."""
+    import socket as _socket
+
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "unknown-boot"
+    return f"{boot}/{_socket.gethostname()}"
+
+
+def _attach_peer_pools(socket_path: str, names: list[str], me: str) -> dict[str, MappedPool]:
+    """Attach a same-node peer's pools through its executor socket (blocking; run in a thread)."""
+    from clients.blocking import Client
+
+    mapped: dict[str, MappedPool] = {}
+    try:
+        with Client(socket_path, client=f"kvd-peer:{me}", timeout=10.0) as client:
+            for name in names:
+                mapped[name] = client.attach(name)
+    except BaseException:
+        for m in mapped.values():
+            m.close()
+        raise
+    return mapped
 
 
 class PeerLink:
@@ -44,6 +73,8 @@ class PeerLink:
         self.slot_bytes = region.slot_bytes
         self.slots = region.slots
         self.closed = trio.Event()
+        #: The peer's pools mapped into this process (same node only), by pool name.
+        self.mapped: dict[str, MappedPool] = {}
 
     async def send(self, msg: x.XferMessage) -> None:
         """Send a transfer-control message; a broken link raises ``PeerUnavailable``."""
@@ -101,6 +132,8 @@ class PeerLinks:
                          block_bytes=p.block_bytes, num_blocks=p.layout.num_blocks, layout=p.layout, rank=p.rank)
                 for name, p in self.engine.daemon.pools.items()
             ],
+            host_id=host_identity(),
+            socket_path=self.config.socket_path,
         )
 
     async def run(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
@@ -165,6 +198,15 @@ class PeerLinks:
             log.warning("peer.rejected", node=node, error=str(exc))
             await conn.aclose(str(exc))
             return
+        if (self.config.transfer.mapped and welcome.host_id == host_identity() and welcome.socket_path
+                and welcome.pools):
+            try:
+                link.mapped = await trio.to_thread.run_sync(
+                    _attach_peer_pools, welcome.socket_path, [p.name for p in welcome.pools], self.config.node
+                )
+                log.info("peer.pools_mapped", node=node, pools=sorted(link.mapped))
+            except KvdError as exc:  # e.g. another mount namespace: fall back to NIXL, say so
+                log.warning("peer.pools_not_mapped", node=node, error=str(exc))
         self.links[node] = link
         self.last_error.pop(node, None)
         self._changed.set()
@@ -196,6 +238,8 @@ class PeerLinks:
                 except KvdError:
                     pass
                 await conn.aclose()
+                for pool in link.mapped.values():
+                    pool.close()
                 link.closed.set()
 
     async def _heartbeats(self, conn: PeerConnection, reasons: list[str]) -> None:

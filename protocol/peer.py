@@ -140,6 +140,8 @@ class PeerWelcome(PeerMessage, frozen=True, tag="peer_welcome"):
     nixl_metadata: bytes = b""
     bounce: list[RegionDesc] = []
     pools: list[PoolDesc] = []
+    host_id: str = ""  # boot id + hostname: equal on both sides = same node (pools mappable)
+    socket_path: str = ""  # the daemon's executor socket, to attach its pools on the same node
 
 
 # --- link life ---------------------------------------------------------------------------

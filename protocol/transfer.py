@@ -10,7 +10,8 @@ the daemons, hand out receive credits and report the outcome:
                                          ◀──   XferGrant(slot)        (one per free receive slot)
     NIXL WRITE staging slot → remote slot, notification (request, seq, slot)
                                                scatter slot → blocks, slot freed, next grant
-    XferFallback (no credit in time: per-fragment writes straight into the blocks)
+    XferPath(mapped | fragment-fallback): no receive slots needed (same-node mapped pools, or
+    no credit in time: per-fragment NIXL writes straight into the blocks)
     XferDone(writes, bytes)              ──▶
                                          ◀──   XferComplete(bytes)
     XferFail(code, message) either way, at any point.
@@ -47,14 +48,19 @@ class XferAccept(XferMessage, frozen=True, tag="xfer_accept"):
     layout: KVLayout
     blocks: dict[int, list[int]]
     pools: dict[int, RemoteRegion]  # gen rank -> its pool region (for direct/fallback writes)
+    pool_names: dict[int, str] = {}  # gen rank -> pool name (for the same-node mapped path)
 
 
 class XferGrant(XferMessage, frozen=True, tag="xfer_grant"):
     slot: int
 
 
-class XferFallback(XferMessage, frozen=True, tag="xfer_fallback"):
-    reason: str
+class XferPath(XferMessage, frozen=True, tag="xfer_path"):
+    """The sender takes a path without receive slots: "mapped" (it copies straight into the
+    receiver's pools, mapped on the same node) or "fragment-fallback" (no credit in time)."""
+
+    path: str
+    reason: str = ""
 
 
 class XferDone(XferMessage, frozen=True, tag="xfer_done"):
@@ -72,7 +78,7 @@ class XferFail(XferMessage, frozen=True, tag="xfer_fail"):
     message: str
 
 
-XFER_MESSAGES = (XferOffer, XferAccept, XferGrant, XferFallback, XferDone, XferComplete, XferFail)
+XFER_MESSAGES = (XferOffer, XferAccept, XferGrant, XferPath, XferDone, XferComplete, XferFail)
 
 
 class Notif(msgspec.Struct, frozen=True, array_like=True):

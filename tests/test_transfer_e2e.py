@@ -85,3 +85,15 @@ async def test_sixteen_concurrent_requests(daemon_factory: Factory, short_tmp: P
     for out in outs:
         assert_exact(out, gen, whole_pool=False)
         assert all(c.ok for c in out.gen.values())
+
+
+@pytest.mark.parametrize("case", ["tp1_to_tp4", "equal_tp2", "tp4_to_tp1"])
+async def test_same_node_mapped_path(case: str, daemon_factory: Factory, short_tmp: Path) -> None:
+    """Same node: the ctx daemon attaches the gen pools and regroups straight into them."""
+    ctx, gen, _ = CASES[case]
+    pair = start_pair(daemon_factory, short_tmp, ctx, gen, mapped=True)
+    out = await run_transfer(pair, ctx, gen, request_id=f"req-m-{case}", blocks=8)
+    assert_exact(out, gen)
+    for c in [*out.ctx.values(), *out.gen.values()]:
+        assert c.ok and c.path == "mapped", c
+    assert '"peer.pools_mapped"' in pair.ctx.log()

@@ -65,9 +65,11 @@ def start_pair(
     transfer: dict[str, Any] | None = None,
     ctx_extra: dict[str, Any] | None = None,
     gen_extra: dict[str, Any] | None = None,
+    mapped: bool = False,
 ) -> Pair:
+    """gen daemon, then ctx daemon peered to it. ``mapped=False`` (default) forces the NIXL paths."""
     secret = write_secret(workdir)
-    tcfg = {"bounce_size_mb": 4, "chunk_mb": 1, "deadline_s": 30.0, **(transfer or {})}
+    tcfg = {"bounce_size_mb": 4, "chunk_mb": 1, "deadline_s": 30.0, "mapped": mapped, **(transfer or {})}
     gen = factory({"pools": pools_for("gen", gen_layout, num_blocks), "peer_secret_file": secret, "transfer": tcfg,
                    **(gen_extra or {})}, name="gen")
     ctx = factory({"pools": pools_for("ctx", ctx_layout, num_blocks), "peer_secret_file": secret, "transfer": tcfg,
