@@ -47,24 +47,27 @@ def write_secret(directory: Path) -> str:
 
 def start_pair(
     workdir: Path, *, gen_tp: int, ctx_tp: int = 1, blocks: int, bounce_mb: int, chunk_mb: int, memory: str = "host",
-    device: int = -1, extra: dict[str, Any] | None = None,
+    device: int = -1, gen_device: int | None = None, extra: dict[str, Any] | None = None,
+    extra_transfer: dict[str, Any] | None = None,
 ) -> tuple[DaemonProcess, DaemonProcess]:
     """Start the gen daemon, then the ctx daemon configured with gen as its peer."""
     secret = write_secret(workdir)
-    transfer = {"bounce_size_mb": bounce_mb, "chunk_mb": chunk_mb, "deadline_s": 120.0}
+    transfer = {"bounce_size_mb": bounce_mb, "chunk_mb": chunk_mb, "deadline_s": 120.0, **(extra_transfer or {})}
     common = {"peer_secret_file": secret, "transfer": transfer, **(extra or {})}
 
-    def pools(prefix: str, tp: int) -> list[dict[str, Any]]:
+    def pools(prefix: str, tp: int, dev: int) -> list[dict[str, Any]]:
         return [
-            {"name": f"{prefix}{r}", "memory": memory, "device": device, **GEOMETRY, "tp_size": tp, "rank": r,
+            {"name": f"{prefix}{r}", "memory": memory, "device": dev, **GEOMETRY, "tp_size": tp, "rank": r,
              "num_blocks": blocks}
             for r in range(tp)
         ]
 
-    gen = start_daemon({**common, "pools": pools("gen", gen_tp)}, workdir=workdir, name="gen")
+    gdev = device if gen_device is None else gen_device
+    gen = start_daemon({**common, "pools": pools("gen", gen_tp, gdev)}, workdir=workdir, name="gen")
     try:
         ctx = start_daemon(
-            {**common, "pools": pools("ctx", ctx_tp), "peers": [{"name": "gen", "host": "127.0.0.1", "port": gen.peer_port}]},
+            {**common, "pools": pools("ctx", ctx_tp, device),
+             "peers": [{"name": "gen", "host": "127.0.0.1", "port": gen.peer_port}]},
             workdir=workdir,
             name="ctx",
         )
@@ -74,62 +77,89 @@ def start_pair(
     return ctx, gen
 
 
-def run_demo(workdir: Path, blocks: int, bounce_mb: int, chunk_mb: int) -> int:
-    ctx_d, gen_d = start_pair(workdir, gen_tp=4, blocks=blocks, bounce_mb=bounce_mb, chunk_mb=chunk_mb)
-    try:
-        ctx_layout = KVLayout(**GEOMETRY, tp_size=1)
-        gen_layout = KVLayout(**GEOMETRY, tp_size=4)
-        request = "demo-request-1"
+class Scenario:
+    """ctx TP1 -> gen TP4 between two running daemons: executors attached, blocks leased once.
+
+    ``transfer()`` runs one request (ctx executor publishes, four gen executors wait, each in
+    its own thread with its own blocking client); ``verify()`` checks every gen rank's blocks
+    against the ctx data.
+    """
+
+    def __init__(self, ctx_d: DaemonProcess, gen_d: DaemonProcess, blocks: int, *, seed: int = 1234) -> None:
+        self.blocks = blocks
+        self.ctx_layout = KVLayout(**GEOMETRY, tp_size=1)
+        self.gen_layout = KVLayout(**GEOMETRY, tp_size=4)
+        self.ctx = Client(ctx_d.socket_path, client="ctx-rank0")
+        self.gens = [Client(gen_d.socket_path, client=f"gen-rank{r}") for r in range(4)]
+        self.ctx_pool = self.ctx.attach("ctx0")
+        self.ctx_ids = self.ctx.alloc("ctx0", blocks)
+        self.gen_pools = [c.attach(f"gen{r}") for r, c in enumerate(self.gens)]
+        self.gen_ids = [c.alloc(f"gen{r}", blocks) for r, c in enumerate(self.gens)]
+        t = self.ctx_pool.tensor
+        gen = torch.Generator(device=t.device).manual_seed(seed)
+        self.data = torch.randn((blocks, *t.shape[1:]), generator=gen, device=t.device).to(t.dtype)
+        t[self.ctx_ids] = self.data
+        if t.is_cuda:
+            torch.cuda.synchronize(t.device)
+        self.count = 0
+
+    def transfer(self, timeout: float = 120.0) -> tuple[dict[str, Completion], float]:
+        """One request end to end; returns the completions by executor and the wall time."""
+        self.count += 1
+        request = f"req-{self.count}"
+        for r, (c, pool) in enumerate(zip(self.gens, self.gen_pools, strict=True)):
+            pool.tensor[self.gen_ids[r]] = 0
+            if pool.tensor.is_cuda:
+                torch.cuda.synchronize(pool.tensor.device)
+            c.expect(request, f"gen{r}", self.gen_layout, r, self.gen_ids[r])
         results: dict[str, Completion] = {}
         errors: list[BaseException] = []
-        gen_views: dict[int, torch.Tensor] = {}
-        gen_blocks: dict[int, list[int]] = {}
-        expected_ready = threading.Barrier(5)
 
-        def gen_executor(rank: int) -> None:
+        def wait_gen(r: int) -> None:
             try:
-                with Client(gen_d.socket_path, client=f"gen-rank{rank}") as kvd:
-                    pool = kvd.attach(f"gen{rank}")
-                    ids = kvd.alloc(f"gen{rank}", blocks)
-                    pool.tensor[ids] = 0
-                    kvd.expect(request, f"gen{rank}", gen_layout, rank, ids)
-                    expected_ready.wait(30)
-                    results[f"gen{rank}"] = kvd.wait(request, timeout_s=120)
-                    gen_views[rank] = pool.tensor[ids].clone()
-                    gen_blocks[rank] = ids
-                    pool.close()
+                results[f"gen{r}"] = self.gens[r].wait(request, timeout_s=timeout)
             except BaseException as exc:
                 errors.append(exc)
-                expected_ready.abort()
 
-        threads = [threading.Thread(target=gen_executor, args=(r,)) for r in range(4)]
-        for t in threads:
-            t.start()
-        with Client(ctx_d.socket_path, client="ctx-rank0") as kvd:
-            pool = kvd.attach("ctx0")
-            ids = kvd.alloc("ctx0", blocks)
-            gen = torch.Generator().manual_seed(1234)
-            data = torch.randn((blocks, *pool.tensor.shape[1:]), generator=gen).to(torch.bfloat16)
-            pool.tensor[ids] = data
-            try:
-                expected_ready.wait(30)
-            except threading.BrokenBarrierError:
-                pass
-            t0 = time.perf_counter()
-            kvd.publish(request, "ctx0", ctx_layout, 0, ids, peer="gen")
-            results["ctx0"] = kvd.wait(request, timeout_s=120)
-            wall = time.perf_counter() - t0
-            pool.close()
-        for t in threads:
-            t.join(60)
+        threads = [threading.Thread(target=wait_gen, args=(r,)) for r in range(4)]
+        for th in threads:
+            th.start()
+        t0 = time.perf_counter()
+        self.ctx.publish(request, "ctx0", self.ctx_layout, 0, self.ctx_ids, peer="gen")
+        results["ctx0"] = self.ctx.wait(request, timeout_s=timeout)
+        wall = time.perf_counter() - t0
+        for th in threads:
+            th.join(timeout)
         if errors:
             raise errors[0]
-        # verify: gen rank r holds heads [2r, 2r+2) of every layer of every block, in order
+        return results, wall
+
+    def verify(self) -> bool:
+        """gen rank r holds heads [2r, 2r+2) of every layer of every block, in order."""
         ok = True
-        for r in range(4):
-            want = data[:, :, :, 2 * r : 2 * r + 2]
-            same = torch.equal(gen_views[r].view(torch.int16), want.contiguous().view(torch.int16))
-            ok &= same
+        for r, pool in enumerate(self.gen_pools):
+            got = pool.tensor[self.gen_ids[r]]
+            want = self.data[:, :, :, 2 * r : 2 * r + 2]
+            ok &= torch.equal(got.view(torch.int16), want.contiguous().view(torch.int16))
+        return ok
+
+    def close(self) -> None:
+        for pool in [self.ctx_pool, *self.gen_pools]:
+            pool.close()
+        for c in [self.ctx, *self.gens]:
+            c.close()
+
+
+def run_demo(workdir: Path, blocks: int, bounce_mb: int, chunk_mb: int, mapped: bool) -> int:
+    ctx_d, gen_d = start_pair(workdir, gen_tp=4, blocks=blocks, bounce_mb=bounce_mb, chunk_mb=chunk_mb,
+                              extra_transfer={"mapped": mapped})
+    try:
+        scenario = Scenario(ctx_d, gen_d, blocks)
+        try:
+            results, wall = scenario.transfer()
+            ok = scenario.verify()
+        finally:
+            scenario.close()
         print_summary(results, wall, ok)
         return 0 if ok else 1
     finally:
@@ -141,7 +171,7 @@ def print_summary(results: dict[str, Completion], wall: float, ok: bool) -> None
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title="kvd demo: GPT-OSS-120B KV, ctx TP1 -> gen TP4, host pools, NIXL over loopback")
+    table = Table(title="kvd demo: GPT-OSS-120B KV, ctx TP1 -> gen TP4, host pools, two daemons on loopback")
     for col in ("executor", "bytes", "MiB", "GB/s", "path", "chunks", "fallback", "seconds"):
         table.add_column(col)
     for name, c in sorted(results.items()):
@@ -160,11 +190,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bounce-mb", type=int, default=32)
     parser.add_argument("--chunk-mb", type=int, default=8)
     parser.add_argument("--keep", action="store_true", help="keep the work directory (configs, logs)")
+    parser.add_argument("--no-mapped", dest="mapped", action="store_false",
+                        help="force NIXL (bounce pipeline) instead of the same-node mapped path")
     args = parser.parse_args(argv)
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     workdir = Path(tempfile.mkdtemp(prefix="kvd-demo-", dir="/tmp"))
     try:
-        return run_demo(workdir, args.blocks, args.bounce_mb, args.chunk_mb)
+        return run_demo(workdir, args.blocks, args.bounce_mb, args.chunk_mb, args.mapped)
     finally:
         if args.keep:
             print(f"work directory kept: {workdir}")

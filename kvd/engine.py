@@ -29,6 +29,7 @@ import msgspec
 import structlog
 import trio
 
+from kvd.boxcopy import copy_pair_boxes, supports_box_copy
 from kvd.plan import Plan, plan
 from kvd.requests import Role, Side, add_registration
 from kvd.slots import SlotPool
@@ -450,10 +451,13 @@ class Engine:
         """Regroup straight into the peer's pools, mapped here (same node): no NIXL, no bounce."""
         side.state = "copying"
         side.chunks_total = len(p.pairs())
+        boxes = supports_box_copy(p)
         for s, d in p.pairs():
-            src = side.parts[s].pool.tensor_u8()
-            dst = mapped[d].raw
-            await trio.to_thread.run_sync(p.copier(s, d).copy, src, dst)
+            if boxes:  # one strided copy per block: every byte moved once
+                fn = partial(copy_pair_boxes, p, s, d, side.parts[s].pool.tensor(), mapped[d].tensor)
+            else:
+                fn = partial(p.copier(s, d).copy, side.parts[s].pool.tensor_u8(), mapped[d].raw)
+            await trio.to_thread.run_sync(fn)
             side.bytes_done += p.total_bytes(s, d)
             side.chunks_done += 1
 

@@ -1,0 +1,130 @@
+"""``kvd bench transfer``: the demo's scenario sized up, next to raw NIXL writes of the same bytes.
+
+Two daemons (separate processes, loopback), ctx TP1 -> gen TP4, GPT-OSS-120B KV geometry.
+Prints, all measured in the same run:
+
+- end to end through the daemons (executor publish -> completion), for the same-node
+  ``mapped`` path and for the NIXL bounce pipeline (``mapped`` off);
+- a raw two-process NIXL write of the same bytes with large (64 MiB) descriptors, and with
+  one descriptor per regroup fragment (8 KiB), as kvd would without a bounce buffer;
+- the ratios. ``--json`` prints one JSON object instead of the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from kvd.demo import GEOMETRY, Scenario, start_pair
+
+MiB = 1 << 20
+
+
+def _e2e(workdir: Path, blocks: int, repeat: int, mapped: bool, chunk_mb: int, bounce_mb: int) -> dict[str, Any]:
+    sub = workdir / ("mapped" if mapped else "nixl")
+    sub.mkdir()
+    ctx_d, gen_d = start_pair(sub, gen_tp=4, blocks=blocks, bounce_mb=bounce_mb, chunk_mb=chunk_mb,
+                              extra_transfer={"mapped": mapped})
+    try:
+        scenario = Scenario(ctx_d, gen_d, blocks)
+        try:
+            scenario.transfer()  # warm-up: first touch of pools, index building, UCX lanes
+            walls, results = [], {}
+            for _ in range(repeat):
+                results, wall = scenario.transfer()
+                walls.append(wall)
+            ok = scenario.verify()
+        finally:
+            scenario.close()
+    finally:
+        ctx_d.stop()
+        gen_d.stop()
+    nbytes = results["ctx0"].bytes
+    best = min(walls)
+    return {
+        "path": results["ctx0"].path,
+        "bytes": nbytes,
+        "chunks": results["ctx0"].chunks,
+        "best_s": best,
+        "median_s": statistics.median(walls),
+        "gbps": nbytes / best / 1e9,
+        "verified": ok,
+    }
+
+
+def _raw(nbytes: int, repeat: int) -> dict[str, Any]:
+    from kvd.transport.rawbench import RawBench
+
+    frag = GEOMETRY["tokens_per_block"] * GEOMETRY["head_dim"] * 2 * 2  # 2 heads per gen rank, bf16
+    with RawBench(nbytes) as bench:
+        large = bench.run(min(64 * MiB, nbytes), repeat=repeat, label="64 MiB descriptors")
+        per_fragment = bench.run(frag, repeat=repeat, label=f"{frag} B descriptors (per fragment)")
+    return {
+        "large": {"desc_bytes": large.desc_bytes, "ndescs": large.ndescs, "gbps": large.gbps},
+        "per_fragment": {"desc_bytes": per_fragment.desc_bytes, "ndescs": per_fragment.ndescs,
+                         "gbps": per_fragment.gbps},
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvd bench transfer", description=__doc__.splitlines()[0] if __doc__ else "")
+    parser.add_argument("--blocks", type=int, default=128, help="request size in blocks (2.25 MiB each)")
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--chunk-mb", type=int, default=16)
+    parser.add_argument("--bounce-mb", type=int, default=128)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    if args.device == "cuda":
+        from kvd.bench_transfer_gpu import main as gpu_main
+
+        return gpu_main(argv)
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    workdir = Path(tempfile.mkdtemp(prefix="kvd-bench-", dir="/tmp"))
+    try:
+        mapped = _e2e(workdir, args.blocks, args.repeat, True, args.chunk_mb, args.bounce_mb)
+        nixl = _e2e(workdir, args.blocks, args.repeat, False, args.chunk_mb, args.bounce_mb)
+        raw = _raw(mapped["bytes"], args.repeat)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    report = {
+        "scenario": {"geometry": GEOMETRY, "ctx_tp": 1, "gen_tp": 4, "blocks": args.blocks, "device": "cpu",
+                     "bytes": mapped["bytes"], "chunk_mb": args.chunk_mb, "bounce_mb": args.bounce_mb},
+        "e2e_mapped": mapped,
+        "e2e_nixl_bounce": nixl,
+        "raw_nixl": raw,
+        "ratios": {
+            "mapped_vs_raw_large": mapped["gbps"] / raw["large"]["gbps"],
+            "bounce_vs_raw_large": nixl["gbps"] / raw["large"]["gbps"],
+            "mapped_vs_raw_per_fragment": mapped["gbps"] / raw["per_fragment"]["gbps"],
+            "bounce_vs_raw_per_fragment": nixl["gbps"] / raw["per_fragment"]["gbps"],
+        },
+    }
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0 if mapped["verified"] and nixl["verified"] else 1
+    mib = mapped["bytes"] / MiB
+    print(f"kvd bench transfer: GPT-OSS-120B KV, ctx TP1 -> gen TP4, {args.blocks} blocks = {mib:.0f} MiB, host pools,"
+          f" two daemons on loopback (best of {args.repeat})")
+    rows = [
+        ("kvd end to end, same-node mapped path", mapped["gbps"], f"{mapped['path']}, verified={mapped['verified']}"),
+        ("kvd end to end, NIXL bounce pipeline", nixl["gbps"],
+         f"{nixl['path']}, {nixl['chunks']} chunks of {args.chunk_mb} MiB, verified={nixl['verified']}"),
+        ("raw NIXL write, 64 MiB descriptors", raw["large"]["gbps"], f"{raw['large']['ndescs']} descriptors"),
+        ("raw NIXL write, per-fragment descriptors", raw["per_fragment"]["gbps"],
+         f"{raw['per_fragment']['ndescs']} x {raw['per_fragment']['desc_bytes']} B"),
+    ]
+    for name, gbps, note in rows:
+        print(f"  {name:<44} {gbps:7.2f} GB/s   {note}")
+    r = report["ratios"]
+    print(f"  ratio mapped / raw large            {r['mapped_vs_raw_large']:.2f}")
+    print(f"  ratio bounce / raw large            {r['bounce_vs_raw_large']:.2f}")
+    print(f"  ratio mapped / raw per-fragment     {r['mapped_vs_raw_per_fragment']:.1f}x")
+    print(f"  ratio bounce / raw per-fragment     {r['bounce_vs_raw_per_fragment']:.1f}x")
+    return 0 if mapped["verified"] and nixl["verified"] else 1
