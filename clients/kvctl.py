@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
             cols = ["request", "role", "peer", "state", "path", "chunks", "bytes", "time", "error"]
             while True:
                 ts = kvd.transfers()
-                _out(args, ts, lambda: _print_table("transfers", cols, _transfer_rows(ts)))
+                _out(args, ts, lambda ts=ts: _print_table("transfers", cols, _transfer_rows(ts)))
                 if not args.watch:
                     break
                 time.sleep(args.interval)

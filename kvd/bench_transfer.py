@@ -35,7 +35,8 @@ def _e2e(workdir: Path, blocks: int, repeat: int, mapped: bool, chunk_mb: int, b
         scenario = Scenario(ctx_d, gen_d, blocks)
         try:
             scenario.transfer()  # warm-up: first touch of pools, index building, UCX lanes
-            walls, results = [], {}
+            walls: list[float] = []
+            results: dict[str, Any] = {}
             for _ in range(repeat):
                 results, wall = scenario.transfer()
                 walls.append(wall)
@@ -84,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda":
         from kvd.bench_transfer_gpu import main as gpu_main
 
-        return gpu_main(argv)
+        return int(gpu_main(argv))
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     workdir = Path(tempfile.mkdtemp(prefix="kvd-bench-", dir="/tmp"))
     try:

@@ -19,9 +19,10 @@ session ends fails the request on both daemons, and every slot and lease is recl
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -330,10 +331,8 @@ class Engine:
             if link is not None:
                 with trio.move_on_after(1.0) as _scope:
                     _scope.shield = True
-                    try:
+                    with contextlib.suppress(KvdError):
                         await link.send(x.XferFail(request_id=side.request_id, code=exc.code, message=exc.message))
-                    except KvdError:
-                        pass
 
     def _succeed(self, side: Side, *, nbytes: int, path: str, chunks: int, fallback: str = "") -> None:
         duration = time.monotonic() - side.started
@@ -453,6 +452,7 @@ class Engine:
         side.chunks_total = len(p.pairs())
         boxes = supports_box_copy(p)
         for s, d in p.pairs():
+            fn: Callable[[], object]
             if boxes:  # one strided copy per block: every byte moved once
                 fn = partial(copy_pair_boxes, p, s, d, side.parts[s].pool.tensor(), mapped[d].tensor)
             else:
@@ -687,8 +687,9 @@ class Engine:
         if isinstance(msg, x.XferFail):
             self.pending_offers.pop(rid, None)
             exc = error_from_code(msg.code, f"peer {link.node}: {msg.message}")
-            for role in ("ctx", "gen"):
-                side = self.sides.get((rid, role))  # type: ignore[arg-type]
+            roles: tuple[Role, ...] = ("ctx", "gen")
+            for role in roles:
+                side = self.sides.get((rid, role))
                 if side is not None and side.completion is None and side.peer in (link.node, ""):
                     await self._fail_side(side, exc, notify_peer=False)
             return
@@ -703,11 +704,9 @@ class Engine:
         if pending is not None:
             link, _offer = pending
             log.warning("transfer.offer_expired", request_id=rid, peer=link.node)
-            try:
+            with contextlib.suppress(KvdError):
                 await link.send(x.XferFail(request_id=rid, code=TransferTimeout.code,
                                            message=f"no executor expected request {rid!r} before its deadline"))
-            except KvdError:
-                pass
 
     async def on_link_lost(self, node: str, reason: str) -> None:
         """The link to ``node`` broke: fail every transfer with it, on this side."""

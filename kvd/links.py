@@ -9,6 +9,7 @@ A peer without the shared secret is refused (``peer.auth_failed``) and never get
 
 from __future__ import annotations
 
+import contextlib
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -233,10 +234,8 @@ class PeerLinks:
                 reason = reasons[0] if reasons else "daemon shutting down"
                 log.warning("peer.disconnected", node=node, reason=reason)
                 await self.engine.on_link_lost(node, reason)
-                try:
+                with contextlib.suppress(KvdError):
                     nixl.remove_remote(agent)
-                except KvdError:
-                    pass
                 await conn.aclose()
                 for pool in link.mapped.values():
                     pool.close()

@@ -38,7 +38,7 @@ class SlotPool:
         """Wait for one slot for ``owner``; cancellable without losing the slot."""
         if self._free and not self._waiting:
             return self._give(owner, self._free.popleft())
-        event, box = trio.Event(), []
+        event, box = trio.Event(), list[int]()
         self._waiting.setdefault(owner, deque()).append((event, box))
         try:
             await event.wait()

@@ -16,7 +16,7 @@ GEO = {"num_layers": 4, "num_kv_heads": 8, "head_dim": 64, "tokens_per_block": 1
 Factory = Callable[..., DaemonProcess]
 
 
-def L(**kw: object) -> KVLayout:  # noqa: N802 - short layout constructor for the table below
+def L(**kw: object) -> KVLayout:
     return KVLayout(**{**GEO, **kw})  # type: ignore[arg-type]
 
 
