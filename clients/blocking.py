@@ -13,7 +13,7 @@ import os
 import socket
 import threading
 from types import TracebackType
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from clients._wire import (
     ANCILLARY_SIZE,
@@ -22,12 +22,14 @@ from clients._wire import (
     default_socket_path,
     fds_from_ancillary,
 )
-from clients.attach import MappedPool, map_pool
 from protocol import messages as m
 from protocol.codec import decode_reply, encode
 from protocol.errors import ConnectionClosed, error_from_code
 from protocol.framing import DEFAULT_MAX_FRAME_SIZE, FrameBuffer
 from protocol.layout import KVLayout
+
+if TYPE_CHECKING:  # clients.attach imports torch: only attach() needs it (kvctl starts fast)
+    from clients.attach import MappedPool
 
 T = TypeVar("T", bound=m.Message)
 
@@ -138,6 +140,8 @@ class Client:
         self._call(m.Drain(id=self._id()), m.Ok)
 
     def attach(self, pool: str) -> MappedPool:
+        from clients.attach import map_pool  # before the call: a failed import leaks no fds
+
         reply, fds = self._call_with_fds(m.AttachPool(id=self._id(), pool=pool), m.Attached)
         return map_pool(reply, fds)
 

@@ -17,17 +17,19 @@ import itertools
 import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import trio
 
 from clients._wire import ANCILLARY_SIZE, check_reply, completion_or_raise, fds_from_ancillary
-from clients.attach import MappedPool, map_pool
 from protocol import messages as m
 from protocol.codec import decode_reply, encode
 from protocol.errors import ConnectionClosed, KvdError, ProtocolError, error_from_code
 from protocol.framing import DEFAULT_MAX_FRAME_SIZE, FrameBuffer
 from protocol.layout import KVLayout
+
+if TYPE_CHECKING:  # clients.attach imports torch: only attach() needs it (kvctl starts fast)
+    from clients.attach import MappedPool
 
 T = TypeVar("T", bound=m.Message)
 
@@ -152,6 +154,8 @@ class AsyncClient:
 
     async def attach(self, pool: str) -> MappedPool:
         """Map ``pool`` into this process; ``.tensor`` is a view shaped by its geometry."""
+        from clients.attach import map_pool  # before the call: a failed import leaks no fds
+
         reply, fds = await self._call_with_fds(m.AttachPool(id=self._id(), pool=pool), m.Attached)
         return map_pool(reply, fds)
 
