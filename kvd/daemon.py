@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import structlog
 import trio
 
-from kvd.config import Config, config_to_json
+from kvd.config import Config, LimitsConfig, config_to_json
 from protocol import messages as m
 from protocol.errors import BadRequest, Draining, LimitExceeded, NotFound
 
@@ -38,6 +38,23 @@ def kvd_version() -> str:
         return version("kvd")
     except PackageNotFoundError:  # pragma: no cover - running from an uninstalled tree
         return "dev"
+
+
+#: Smallest ``max_frame_size`` accepted: below it an Expect/Publish of a few blocks cannot fit.
+MIN_FRAME_SIZE = 4096
+
+
+def check_limits(limits: LimitsConfig) -> None:
+    """Refuse ``[limits]`` values that would break every session (raises :class:`BadRequest`)."""
+    for name in ("max_sessions", "max_inflight_per_session", "max_blocks_per_session"):
+        value = getattr(limits, name)
+        if value < 1:
+            raise BadRequest(f"invalid configuration: [limits] {name} must be at least 1, got {value}")
+    if limits.max_frame_size < MIN_FRAME_SIZE:
+        raise BadRequest(
+            f"invalid configuration: [limits] max_frame_size must be at least {MIN_FRAME_SIZE}, "
+            f"got {limits.max_frame_size}"
+        )
 
 
 @dataclass

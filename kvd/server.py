@@ -20,7 +20,7 @@ import structlog
 import trio
 
 from kvd.config import Config
-from kvd.daemon import Daemon
+from kvd.daemon import Daemon, check_limits
 from kvd.metrics import Metrics, serve_metrics
 from kvd.notify import Notifier, run_watchdog
 from kvd.peercred import AccessPolicy
@@ -36,6 +36,18 @@ async def _watch_signals(daemon: Daemon) -> None:
             daemon.request_stop(f"signal {signal.Signals(signum).name}")
 
 
+#: How often the sampled gauges (bounce chunks in use) are refreshed for /metrics.
+GAUGE_SAMPLE_S = 0.5
+
+
+async def _sample_gauges(daemon: Daemon) -> None:
+    """Refresh the gauges no actor updates on change (bounce chunks in use)."""
+    while True:
+        engine = daemon.engine
+        daemon.metrics.set_bounce_in_use(engine.bounce_chunks_in_use() if engine is not None else 0)
+        await trio.sleep(GAUGE_SAMPLE_S)
+
+
 async def serve(
     config: Config,
     *,
@@ -48,6 +60,7 @@ async def serve(
     from kvd.pool import create_pools
 
     env = os.environ if env is None else env
+    check_limits(config.limits)
     notifier = Notifier(env)
     notifier.status("starting: creating pools")
     pools = await trio.to_thread.run_sync(partial(create_pools, config.pools, env))
@@ -61,11 +74,13 @@ async def serve(
                 root.start_soon(_watch_signals, daemon)
             await root.start(run_watchdog, notifier)
             if config.metrics_port:
-                port = await root.start(serve_metrics, metrics, config.metrics_host, config.metrics_port)
-                log.info("metrics.listening", host=config.metrics_host, port=port)
+                await root.start(serve_metrics, metrics, config.metrics_host, config.metrics_port)
             engine = Engine(daemon, env)
             daemon.engine = engine
             await root.start(engine.run)
+            daemon._update_pool_metrics()  # the gauges start at the pools' real size
+            if config.metrics_port:
+                root.start_soon(_sample_gauges, daemon)
             accept_scope = trio.CancelScope()
 
             async def accept_loop() -> None:

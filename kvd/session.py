@@ -42,6 +42,10 @@ _session_ids = itertools.count(1)
 
 #: Requests answered inline (fast, no awaiting on other actors beyond a lock).
 RECEIVE_SIZE = 65536
+#: After refusing a connection (access, limits, oversized frame, bad handshake): how long and
+#: how much of what the client still sends we read and discard before closing.
+REFUSE_LINGER_S = 1.0
+REFUSE_LINGER_BYTES = 4 << 20
 
 
 @dataclass(eq=False)
@@ -90,6 +94,26 @@ class SessionConnection:
         """Reply with the wire form of ``exc``."""
         await self.send(m.Error(id=request_id, code=exc.code, message=exc.message))
 
+    async def refuse(self, request_id: int, exc: KvdError) -> None:
+        """Send ``exc``, then give the client a moment to read it before we hang up.
+
+        Closing a Unix socket whose receive queue still holds the client's bytes (its Hello,
+        the rest of an oversized frame) makes the client's next send fail (EPIPE/ECONNRESET)
+        before it has read our error; so half-close (the client sees EOF right after the
+        error) and drain what it still sends, bounded by ``REFUSE_LINGER_S`` and
+        ``REFUSE_LINGER_BYTES``.
+        """
+        await self.send_error(request_id, exc)
+        async with self._send_lock:
+            await self.stream.send_eof()
+        with trio.move_on_after(REFUSE_LINGER_S):
+            drained = 0
+            while drained < REFUSE_LINGER_BYTES:
+                data = await self.stream.receive_some(RECEIVE_SIZE)
+                if not data:
+                    return
+                drained += len(data)
+
     async def receive_frames(self) -> list[bytes] | None:
         """Next batch of whole frames; ``None`` at EOF. Raises FrameTooLarge."""
         while True:
@@ -119,16 +143,16 @@ async def handle_connection(daemon: Daemon, stream: trio.SocketStream) -> None:
             try:
                 daemon.access.check(creds)
             except PermissionDenied as exc:
-                log.warning("session.rejected", reason=exc.message)
+                log.warning("session.rejected", gid=creds.gid, reason=exc.message)
                 daemon.counters.rejected_sessions += 1
-                await conn.send_error(0, exc)
+                await conn.refuse(0, exc)
                 return
             if len(daemon.sessions) >= daemon.config.limits.max_sessions:
                 exc2 = LimitExceeded(
                     f"max_sessions={daemon.config.limits.max_sessions} reached; try again later"
                 )
                 log.warning("session.limit", reason=exc2.message)
-                await conn.send_error(0, exc2)
+                await conn.refuse(0, exc2)
                 return
             daemon.add_session(session)
             try:
@@ -137,8 +161,13 @@ async def handle_connection(daemon: Daemon, stream: trio.SocketStream) -> None:
                 with trio.CancelScope(shield=True):
                     returned = await daemon.end_session(session)
                     log.info("session.closed", blocks_returned=returned, client=session.client)
-        except (trio.BrokenResourceError, trio.ClosedResourceError, ConnectionError):
+        # except*: a reply to a client that is already gone fails inside the session's
+        # nursery, which wraps it in an ExceptionGroup; nothing a client does may take the
+        # daemon (the listener's nursery) down with it.
+        except* (trio.BrokenResourceError, trio.ClosedResourceError, ConnectionError):
             pass  # broken by the client; its leases were returned above
+        except* Exception:
+            log.exception("session.crashed")  # a bug: this session ends, the daemon serves on
         finally:
             with trio.CancelScope(shield=True):
                 await stream.aclose()
@@ -153,7 +182,8 @@ async def _serve_session(daemon: Daemon, conn: SessionConnection) -> None:
                 try:
                     frames = await conn.receive_frames()
                 except FrameTooLarge as exc:
-                    await conn.send_error(0, exc)
+                    log.warning("session.frame_too_large", reason=exc.message)
+                    await conn.refuse(0, exc)
                     return  # the byte stream is no longer aligned: disconnect
                 except (trio.BrokenResourceError, ConnectionError):
                     return
@@ -163,18 +193,17 @@ async def _serve_session(daemon: Daemon, conn: SessionConnection) -> None:
                     try:
                         msg = decode_request(payload)
                     except KvdError as exc:
-                        await conn.send_error(request_id_of(payload), exc)
                         if not handshaken:
+                            await conn.refuse(request_id_of(payload), exc)
                             return
+                        await conn.send_error(request_id_of(payload), exc)
                         continue
                     if not handshaken:
                         if not isinstance(msg, m.Hello):
-                            await conn.send_error(
-                                msg.id, HandshakeRequired("the first message must be Hello")
-                            )
+                            await conn.refuse(msg.id, HandshakeRequired("the first message must be Hello"))
                             return
                         if msg.version != m.PROTOCOL_VERSION:
-                            await conn.send_error(
+                            await conn.refuse(
                                 msg.id,
                                 VersionMismatch(
                                     f"client speaks protocol version {msg.version}, "
@@ -209,6 +238,11 @@ async def _dispatch(
 ) -> None:
     """Run one request: inline when quick, as a session task when it may wait."""
     session = conn.session
+    if isinstance(msg, m.Drain):
+        # reply first: once the stop is requested the root nursery may cancel this session
+        await conn.send(m.Ok(id=msg.id))
+        daemon.request_stop("drain requested by client", session)
+        return
     if isinstance(msg, m.Wait):
         if session.inflight >= daemon.config.limits.max_inflight_per_session:
             await conn.send_error(
