@@ -24,10 +24,11 @@ import math
 import time
 from collections.abc import Callable, Mapping
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 import structlog
+import torch
 import trio
 
 from kvd.boxcopy import copy_pair_boxes, supports_box_copy
@@ -58,6 +59,24 @@ log = structlog.get_logger("kvd.transfer")
 
 #: Descriptors per NIXL write on the direct/fallback paths (keeps one xfer's lists bounded).
 MAX_DESCS_PER_WRITE = 8192
+
+
+def _mem(device: int) -> Literal["DRAM", "VRAM"]:
+    return "DRAM" if device < 0 else "VRAM"
+
+
+def _gather_synced(chunk: Chunk, src_pool: Any, staging: Any) -> None:
+    """Gather, and on CUDA wait for it: NIXL must not read the slot before the copy landed."""
+    gather(chunk, src_pool, staging)
+    if staging.is_cuda:
+        torch.cuda.current_stream(staging.device).synchronize()
+
+
+def _scatter_synced(chunk: Chunk, bounce: Any, dst_pool: Any) -> None:
+    """Scatter, and on CUDA wait for it: the slot is granted again right after."""
+    scatter(chunk, bounce, dst_pool)
+    if bounce.is_cuda:
+        torch.cuda.current_stream(bounce.device).synchronize()
 
 
 def _first_kvd_error(exc: BaseException) -> KvdError | None:
@@ -449,6 +468,17 @@ class Engine:
     async def _copy_mapped(self, side: Side, p: Plan, mapped: dict[int, Any]) -> None:
         """Regroup straight into the peer's pools, mapped here (same node): no NIXL, no bounce."""
         side.state = "copying"
+        src_any = next(iter(side.parts.values())).pool
+        if src_any.device >= 0:  # GPU pools: gather / NVLink copy / scatter on CUDA streams
+            from kvd.gpu_pipeline import pipelined_regroup
+
+            sched = await trio.to_thread.run_sync(partial(schedule, p, chunk_bytes=self.chunk_bytes))
+            side.chunks_total = sched.num_chunks()
+            src = {r: part.pool.tensor_u8() for r, part in side.parts.items()}
+            dst = {r: m.raw for r, m in mapped.items()}
+            side.bytes_done = await trio.to_thread.run_sync(partial(pipelined_regroup, sched, src, dst))
+            side.chunks_done = side.chunks_total
+            return
         side.chunks_total = len(p.pairs())
         boxes = supports_box_copy(p)
         for s, d in p.pairs():
@@ -480,10 +510,10 @@ class Engine:
                 local = np.stack([part[:, 0] + src_base, part[:, 2]], axis=1)
                 remote = np.stack([part[:, 1] + dst.addr, part[:, 2]], axis=1)
                 notif = x.encode_notif(x.Notif(side.request_id, seq, -1))
-                handle = await trio.to_thread.run_sync(
-                    partial(self.nixl.write, local, remote, link.agent, notif, local_device=src_dev, remote_device=dst.device)
+                await self.nixl.write_async(
+                    local, remote, link.agent, notif,
+                    local_mem=_mem(src_dev), remote_mem=_mem(dst.device), local_device=src_dev, remote_device=dst.device,
                 )
-                await self.nixl.wait(handle)
                 seq += 1
                 nbytes = int(part[:, 2].sum())
                 side.bytes_done += nbytes
@@ -503,10 +533,10 @@ class Engine:
             local = [(self.send_region.slot_addr(local_slot), chunk.nbytes)]
             remote = [(link.bounce.addr + remote_slot * link.slot_bytes, chunk.nbytes)]
             notif = x.encode_notif(x.Notif(rid, seq, remote_slot))
-            handle = nixl.write(local, remote, link.agent, notif, local_device=self.send_region.device,
-                                remote_device=link.bounce.device)
+            src_dev, dst_dev = self.send_region.device, link.bounce.device
             try:
-                await nixl.wait(handle)
+                await nixl.write_async(local, remote, link.agent, notif, local_mem=_mem(src_dev),
+                                       remote_mem=_mem(dst_dev), local_device=src_dev, remote_device=dst_dev)
             finally:
                 self.send_slots.release(rid, local_slot)
             side.bytes_done += chunk.nbytes
@@ -521,7 +551,7 @@ class Engine:
                 local_slot = await self.send_slots.acquire(rid)
                 src_pool = side.parts[chunk.src].pool.tensor_u8()
                 staging = self.send_region.slot_tensor(local_slot)
-                await trio.to_thread.run_sync(partial(gather, chunk, src_pool, staging))
+                await trio.to_thread.run_sync(partial(_gather_synced, chunk, src_pool, staging))
                 writers.start_soon(write_and_release, chunk, seq, local_slot, remote_slot)
         return len(chunks)
 
@@ -604,7 +634,7 @@ class Engine:
             chunk = chunks[n.seq]
             dst_pool = side.parts[chunk.dst].pool.tensor_u8()
             bounce = self.recv_region.slot_tensor(n.slot)
-            await trio.to_thread.run_sync(partial(scatter, chunk, bounce, dst_pool))
+            await trio.to_thread.run_sync(partial(_scatter_synced, chunk, bounce, dst_pool))
             self.recv_slots.release(rid, n.slot)
             scattered += 1
             side.chunks_done = scattered

@@ -32,12 +32,13 @@ def write_secret(directory: Path, name: str = "peer.secret") -> str:
     return str(path)
 
 
-def pools_for(prefix: str, layout: KVLayout, num_blocks: int, ranks: list[int] | None = None) -> list[dict[str, Any]]:
-    """One host pool per rank of ``layout``."""
+def pools_for(prefix: str, layout: KVLayout, num_blocks: int, ranks: list[int] | None = None, *,
+              memory: str = "host", device: int = -1) -> list[dict[str, Any]]:
+    """One pool per rank of ``layout`` (host memory unless told otherwise)."""
     out = []
     for r in ranks if ranks is not None else range(layout.world_size):
         out.append({
-            "name": f"{prefix}{r}", "memory": "host", "device": -1,
+            "name": f"{prefix}{r}", "memory": memory, "device": device,
             "num_layers": layout.num_layers, "num_kv_heads": layout.num_kv_heads, "head_dim": layout.head_dim,
             "tokens_per_block": layout.tokens_per_block, "dtype": layout.dtype, "tp_size": layout.tp_size,
             "pp_size": layout.pp_size, "attention_dp": layout.attention_dp,
@@ -66,13 +67,16 @@ def start_pair(
     ctx_extra: dict[str, Any] | None = None,
     gen_extra: dict[str, Any] | None = None,
     mapped: bool = False,
+    memory: str = "host",
+    ctx_device: int = -1,
+    gen_device: int = -1,
 ) -> Pair:
     """gen daemon, then ctx daemon peered to it. ``mapped=False`` (default) forces the NIXL paths."""
     secret = write_secret(workdir)
     tcfg = {"bounce_size_mb": 4, "chunk_mb": 1, "deadline_s": 30.0, "mapped": mapped, **(transfer or {})}
-    gen = factory({"pools": pools_for("gen", gen_layout, num_blocks), "peer_secret_file": secret, "transfer": tcfg,
+    gen = factory({"pools": pools_for("gen", gen_layout, num_blocks, memory=memory, device=gen_device), "peer_secret_file": secret, "transfer": tcfg,
                    **(gen_extra or {})}, name="gen")
-    ctx = factory({"pools": pools_for("ctx", ctx_layout, num_blocks), "peer_secret_file": secret, "transfer": tcfg,
+    ctx = factory({"pools": pools_for("ctx", ctx_layout, num_blocks, memory=memory, device=ctx_device), "peer_secret_file": secret, "transfer": tcfg,
                    "peers": [{"name": "gen", "host": "127.0.0.1", "port": gen.peer_port}], **(ctx_extra or {})},
                   name="ctx")
     return Pair(ctx, gen)
@@ -132,13 +136,15 @@ async def run_transfer(
             ids = await c.alloc(f"gen{r}", gen_count)
             ax = gen_layout.axis_order.index("block")
             # sentinel in this request's blocks: bytes the plan does not write must keep it
-            pool.tensor.view(torch.int16).index_fill_(ax, torch.tensor(ids), 0x0EEE)
+            dev = pool.tensor.device
+            pool.tensor.view(torch.int16).index_fill_(ax, torch.tensor(ids, device=dev), 0x0EEE)
+            _sync(dev)
             gen_pools[r], gen_ids[r] = pool, ids
-            gen_before[r] = pool.raw.clone()
+            gen_before[r] = pool.raw.to("cpu", copy=True)
             await c.expect(request_id, f"gen{r}", gen_layout, r, ids, ranks=gen_ranks, deadline_s=deadline_s)
             task_status.started()
             out.gen[r] = await c.wait(request_id)
-            out.gen_data[r] = pool.raw.clone()
+            out.gen_data[r] = pool.raw.to("cpu", copy=True)
             gen_ok[i].set()
 
     async def ctx_rank(r: int, task_status: trio.TaskStatus[None]) -> None:
@@ -151,7 +157,9 @@ async def run_transfer(
             shape = list(pool.tensor.shape)
             shape[ax] = len(ids)
             noise = torch.randint(-(2**15), 2**15, shape, dtype=torch.int16, generator=g)
-            pool.tensor.view(torch.int16).index_copy_(ax, torch.tensor(ids), noise)
+            dev = pool.tensor.device
+            pool.tensor.view(torch.int16).index_copy_(ax, torch.tensor(ids, device=dev), noise.to(dev))
+            _sync(dev)
             ctx_pools[r], ctx_ids[r] = pool, ids
             await c.publish(request_id, f"ctx{r}", ctx_layout, r, ids, peer="gen", ranks=ctx_ranks,
                             deadline_s=deadline_s)
@@ -172,10 +180,15 @@ async def run_transfer(
             ctx_ids, gen_ids,
         )
         expected = {r: gen_before[r].clone() for r in gen_ranks}
-        p.apply({r: ctx_pools[r].raw.clone() for r in ctx_ranks}, expected)
+        p.apply({r: ctx_pools[r].raw.to("cpu", copy=True) for r in ctx_ranks}, expected)
         out.expected = expected
         out.gen_blocks = {r: (gen_layout.axis_order.index("block"), gen_ids[r]) for r in gen_ranks}
     return out
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _fields(layout: KVLayout) -> dict[str, Any]:

@@ -1,0 +1,252 @@
+"""``kvd bench transfer --device cuda``: the GPT-OSS-120B ctx TP1 -> gen TP4 scenario on two GPUs.
+
+Daemon ``ctx`` owns one pool on GPU 0 (with the ctx executor), daemon ``gen`` owns four gen-rank
+pools on GPU 1; memory policy ``auto`` (fabric probe, device fallback). Measured in one run:
+
+- the ceiling: a contiguous GPU0 -> GPU1 copy of the same bytes;
+- end to end through the daemons (executor publish -> completion): the same-node ``mapped``
+  path and the NIXL bounce pipeline (``mapped`` off);
+- raw NIXL/UCX writes of the same bytes between two processes (GPU0 -> GPU1, cudaMalloc
+  memory): 64 MiB descriptors, and one descriptor per 8 KiB regroup fragment;
+- the ratios; ``--json`` for machines, ``--plot PNG`` for GB/s against request size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import shutil
+import socket
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvd.demo import GEOMETRY, Scenario, start_pair
+
+MiB = 1 << 20
+BLOCK_BYTES = 36 * 2 * 8 * 32 * 64 * 2  # GPT-OSS-120B, TP1: 2.25 MiB
+
+
+def _contiguous_copy(nbytes: int, repeat: int) -> float:
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0").fill_(7)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda:1")
+    dst.copy_(src)
+    torch.cuda.synchronize(0)
+    torch.cuda.synchronize(1)
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize(0)
+        torch.cuda.synchronize(1)
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best / 1e9
+
+
+def _raw_target(path: str, nbytes: int) -> None:
+    """Target process: cudaMalloc'd memory on GPU 1 registered with NIXL; polls until told."""
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    from kvd.transport import NixlAgent, Region
+
+    torch.cuda.set_device(1)
+    dst = torch.zeros(nbytes, dtype=torch.uint8, device="cuda:1")
+    agent = NixlAgent("raw-target")
+    agent.register([Region(dst.data_ptr(), nbytes, 1, "VRAM")])
+    s = socket.socket(socket.AF_UNIX)
+    s.connect(path)
+    md = agent.metadata()
+    s.sendall(len(md).to_bytes(8, "big") + md + dst.data_ptr().to_bytes(8, "big"))
+    s.setblocking(False)
+    while True:
+        agent.notifications()
+        try:
+            if s.recv(1) in (b"q", b""):
+                break
+        except BlockingIOError:
+            pass
+    agent.close()
+
+
+def _recv_exact(s: socket.socket, n: int) -> bytes:
+    buf = b""
+    while len(buf) < n:
+        chunk = s.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionError("raw bench target went away")
+        buf += chunk
+    return buf
+
+
+def _raw_nixl(nbytes: int, frag: int, repeat: int, workdir: Path) -> dict[str, Any]:
+    import numpy as np
+
+    from kvd.transport import NixlAgent, Region
+
+    path = str(workdir / "raw.sock")
+    srv = socket.socket(socket.AF_UNIX)
+    srv.bind(path)
+    srv.listen(1)
+    proc = mp.get_context("spawn").Process(target=_raw_target, args=(path, nbytes))
+    proc.start()
+    src = torch.full((nbytes,), 3, dtype=torch.uint8, device="cuda:0")
+    agent = NixlAgent("raw-writer")
+    out: dict[str, Any] = {}
+    try:
+        agent.register([Region(src.data_ptr(), nbytes, 0, "VRAM")])
+        conn, _ = srv.accept()
+        n = int.from_bytes(_recv_exact(conn, 8), "big")
+        remote = agent.add_remote(_recv_exact(conn, n))
+        dptr = int.from_bytes(_recv_exact(conn, 8), "big")
+        for label, desc in (("large", 64 * MiB), ("per_fragment", frag)):
+            count = nbytes // desc
+            offs = np.arange(count, dtype=np.uint64) * np.uint64(desc)
+            local = np.stack([offs + np.uint64(src.data_ptr()), np.full(count, desc, dtype=np.uint64)], axis=1)
+            rem = np.stack([offs + np.uint64(dptr), np.full(count, desc, dtype=np.uint64)], axis=1)
+            best = float("inf")
+            for _ in range(repeat + 1):
+                t0 = time.perf_counter()
+                h = agent.write(local, rem, remote, b"raw", local_mem="VRAM", remote_mem="VRAM",
+                                local_device=0, remote_device=1)
+                while agent.state(h) == "PROC":
+                    pass
+                best = min(best, time.perf_counter() - t0)
+                agent.release(h)
+            out[label] = {"desc_bytes": desc, "ndescs": count, "gbps": count * desc / best / 1e9}
+        conn.sendall(b"q")
+        conn.close()
+    finally:
+        agent.close()
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+        srv.close()
+    return out
+
+
+def _e2e(workdir: Path, max_blocks: int, sizes: list[int], repeat: int, mapped: bool, chunk_mb: int,
+         bounce_mb: int) -> dict[str, Any]:
+    sub = workdir / ("mapped" if mapped else "nixl")
+    sub.mkdir()
+    ctx_d, gen_d = start_pair(sub, gen_tp=4, blocks=max_blocks, bounce_mb=bounce_mb, chunk_mb=chunk_mb,
+                              memory="auto", device=0, gen_device=1, extra_transfer={"mapped": mapped})
+    by_size: dict[int, dict[str, Any]] = {}
+    try:
+        for n in sizes:
+            scenario = Scenario(ctx_d, gen_d, n)
+            try:
+                scenario.transfer()  # warm-up
+                walls: list[float] = []
+                results: dict[str, Any] = {}
+                for _ in range(repeat):
+                    results, wall = scenario.transfer()
+                    walls.append(wall)
+                ok = scenario.verify()
+            finally:
+                scenario.close()
+            c = results["ctx0"]
+            by_size[n] = {"bytes": c.bytes, "path": c.path, "chunks": c.chunks, "best_s": min(walls),
+                          "median_s": statistics.median(walls), "gbps": c.bytes / min(walls) / 1e9,
+                          "daemon_gbps": c.bytes / c.duration_s / 1e9 if c.duration_s else 0.0, "verified": ok}
+        kinds = [line for line in ctx_d.log().splitlines() if '"pool.fabric_unavailable"' in line]
+    finally:
+        ctx_d.stop()
+        gen_d.stop()
+    return {"by_blocks": by_size, "fabric_warning": kinds[0] if kinds else ""}
+
+
+def _plot(report: dict[str, Any], path: str) -> None:
+    import matplotlib  # type: ignore[import-not-found, unused-ignore]
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # type: ignore[import-not-found, unused-ignore]
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for key, label in (("e2e_mapped", "kvd mapped (copy engine)"), ("e2e_nixl_bounce", "kvd NIXL bounce")):
+        pts = sorted((int(n), v["gbps"]) for n, v in report[key]["by_blocks"].items())
+        ax.plot([p[0] * BLOCK_BYTES / MiB for p in pts], [p[1] for p in pts], marker="o", label=label)
+    ax.axhline(report["contiguous_copy_gbps"], color="gray", linestyle="--", label="contiguous GPU0->GPU1 copy")
+    ax.axhline(report["raw_nixl"]["per_fragment"]["gbps"], color="red", linestyle=":", label="raw NIXL per fragment")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("request size (MiB; 2.25 MiB per block)")
+    ax.set_ylabel("GB/s, publish -> completion")
+    ax.set_title("kvd on H200 x2: GPT-OSS-120B KV, ctx TP1 -> gen TP4")
+    ax.legend(fontsize=8)
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvd bench transfer --device cuda")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--blocks", type=int, default=256)
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--chunk-mb", type=int, default=64)
+    parser.add_argument("--bounce-mb", type=int, default=512)
+    parser.add_argument("--sizes", default="1,4,16,64,256", help="block counts for the size sweep")
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--plot", default="", help="write a PNG of GB/s against request size")
+    parser.add_argument("--json-out", default="", help="also write the JSON report to this file")
+    args = parser.parse_args(argv)
+    if torch.cuda.device_count() < 2:
+        print("kvd bench transfer --device cuda needs two GPUs")
+        return 2
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    sizes = sorted({int(x) for x in args.sizes.split(",") if x} | {args.blocks})
+    nbytes = args.blocks * BLOCK_BYTES
+    workdir = Path(tempfile.mkdtemp(prefix="kvd-gbench-", dir="/tmp"))
+    try:
+        ceiling = _contiguous_copy(nbytes, args.repeat)
+        mapped = _e2e(workdir, max(sizes), sizes, args.repeat, True, args.chunk_mb, args.bounce_mb)
+        nixl = _e2e(workdir, max(sizes), sizes, args.repeat, False, args.chunk_mb, args.bounce_mb)
+        frag = GEOMETRY["tokens_per_block"] * GEOMETRY["head_dim"] * 2 * 2
+        raw = _raw_nixl(nbytes, frag, args.repeat, workdir)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    m, b = mapped["by_blocks"][args.blocks], nixl["by_blocks"][args.blocks]
+    report: dict[str, Any] = {
+        "scenario": {"geometry": GEOMETRY, "ctx_tp": 1, "gen_tp": 4, "blocks": args.blocks, "bytes": nbytes,
+                     "gpus": [torch.cuda.get_device_name(i) for i in range(2)], "chunk_mb": args.chunk_mb,
+                     "bounce_mb": args.bounce_mb},
+        "contiguous_copy_gbps": ceiling,
+        "e2e_mapped": mapped,
+        "e2e_nixl_bounce": nixl,
+        "raw_nixl": raw,
+        "ratios": {
+            "mapped_vs_contiguous": m["gbps"] / ceiling,
+            "bounce_vs_contiguous": b["gbps"] / ceiling,
+            "mapped_vs_per_fragment": m["gbps"] / raw["per_fragment"]["gbps"],
+            "bounce_vs_per_fragment": b["gbps"] / raw["per_fragment"]["gbps"],
+            "raw_large_vs_contiguous": raw["large"]["gbps"] / ceiling,
+        },
+    }
+    if args.plot:
+        _plot(report, args.plot)
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(report, indent=2))
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(f"kvd bench transfer --device cuda: GPT-OSS-120B KV ctx TP1 (GPU0) -> gen TP4 (GPU1), "
+              f"{args.blocks} blocks = {nbytes / MiB:.0f} MiB, best of {args.repeat}")
+        print(f"  contiguous GPU0->GPU1 copy (ceiling)       {ceiling:8.1f} GB/s")
+        print(f"  kvd end to end, mapped path                {m['gbps']:8.1f} GB/s   path={m['path']} verified={m['verified']}")
+        print(f"  kvd end to end, NIXL bounce pipeline       {b['gbps']:8.1f} GB/s   path={b['path']} "
+              f"chunks={b['chunks']} verified={b['verified']}")
+        print(f"  raw NIXL write, 64 MiB descriptors         {raw['large']['gbps']:8.1f} GB/s")
+        print(f"  raw NIXL write, per 8 KiB fragment         {raw['per_fragment']['gbps']:8.2f} GB/s")
+        for k, v in report["ratios"].items():
+            print(f"  ratio {k:<36} {v:8.2f}")
+        print("  size sweep (blocks: mapped GB/s, bounce GB/s):")
+        for n in sizes:
+            print(f"    {n:4d}: {mapped['by_blocks'][n]['gbps']:7.1f}  {nixl['by_blocks'][n]['gbps']:7.1f}")
+        if mapped["fabric_warning"]:
+            print(f"  pool policy: {mapped['fabric_warning']}")
+    ok = all(v["verified"] for r in (mapped, nixl) for v in r["by_blocks"].values())
+    return 0 if ok else 1
