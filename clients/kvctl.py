@@ -48,13 +48,55 @@ def _pools_rows(pools: list[m.PoolInfo]) -> list[list[Any]]:
 POOL_COLUMNS = ["pool", "kind", "device", "fallback", "used", "free", "sessions", "size"]
 
 
+def _bar(done: int, total: int, width: int = 20) -> str:
+    """A text progress bar with the percentage, e.g. ``[=========>          ]  50%``."""
+    if total <= 0:
+        return "-"
+    frac = min(1.0, max(0.0, done / total))
+    filled = int(frac * width)
+    body = "=" * filled + (">" if filled < width else "") + " " * (width - filled - 1)
+    return f"[{body}] {100 * frac:3.0f}%"
+
+
+TRANSFER_COLUMNS = ["request", "role", "peer", "state", "path", "chunks", "bytes", "progress", "time", "error"]
+
+
 def _transfer_rows(transfers: list[m.TransferInfo]) -> list[list[Any]]:
     rows = []
     for t in transfers:
-        pct = f"{100 * t.bytes_done / t.bytes_total:.0f}%" if t.bytes_total else "-"
-        rows.append([t.request_id, t.role, t.peer, t.state, t.path or "-", f"{t.chunks_done}/{t.chunks_total}",
-                     f"{_gb(t.bytes_done)} ({pct})", f"{t.duration_s:.2f}s", t.error or ""])
+        total = f" / {_gb(t.bytes_total)}" if t.bytes_total else ""
+        rows.append([t.request_id, t.role, t.peer or "-", t.state, t.path or "-", f"{t.chunks_done}/{t.chunks_total}",
+                     f"{_gb(t.bytes_done)}{total}", _bar(t.bytes_done, t.bytes_total), f"{t.duration_s:.2f}s",
+                     t.error or ""])
     return rows
+
+
+def _transfers(kvd: Client, args: argparse.Namespace) -> None:
+    """List transfers once; with ``--watch``/``--count``, every ``--interval`` seconds until
+    Ctrl-C or ``--count`` listings. ``--json`` prints one JSON array per listing (JSON lines);
+    on a terminal the table is redrawn in place."""
+    from rich.console import Console
+
+    watching = args.watch or args.count > 0
+    console = Console()
+    redraw = watching and not args.json and console.is_terminal
+    shown = 0
+    try:
+        while True:
+            ts = kvd.transfers()
+            title = f"transfers at {time.strftime('%H:%M:%S')}" if watching else "transfers"
+            if redraw:
+                console.clear()
+            _out(args, ts, lambda ts=ts, title=title: _print_table(title, TRANSFER_COLUMNS, _transfer_rows(ts)))
+            sys.stdout.flush()
+            shown += 1
+            if not watching or shown == args.count:
+                return
+            time.sleep(args.interval)
+    except KeyboardInterrupt:
+        if not watching:
+            raise
+        # Ctrl-C is how a watch ends: not an error
 
 
 def run(args: argparse.Namespace) -> int:
@@ -86,13 +128,7 @@ def run(args: argparse.Namespace) -> int:
                                                [[s.session_id, s.client, s.pid, s.uid, s.blocks_leased, s.requests,
                                                  f"{s.connected_s:.0f}s"] for s in ss]))
         elif cmd == "transfers":
-            cols = ["request", "role", "peer", "state", "path", "chunks", "bytes", "time", "error"]
-            while True:
-                ts = kvd.transfers()
-                _out(args, ts, lambda ts=ts: _print_table("transfers", cols, _transfer_rows(ts)))
-                if not args.watch:
-                    break
-                time.sleep(args.interval)
+            _transfers(kvd, args)
         elif cmd == "drain":
             kvd.drain()
             _out(args, {"ok": True}, lambda: print("draining: the daemon finishes in-flight transfers and exits"))
@@ -109,18 +145,66 @@ def _out(args: argparse.Namespace, obj: Any, human: Any) -> None:
         human()
 
 
+def _common_options(parser: argparse.ArgumentParser, *, with_defaults: bool) -> None:
+    """--socket, --json, --timeout; without defaults on a command (so the top-level value stays)."""
+
+    def default(value: object) -> object:
+        return value if with_defaults else argparse.SUPPRESS
+
+    parser.add_argument("--socket", "-s", default=default(None),
+                        help="daemon socket (default $KVD_SOCKET or /run/kvd/kvd.sock)")
+    parser.add_argument("--json", action="store_true", default=default(False), help="machine-readable output (JSON)")
+    parser.add_argument("--timeout", type=_positive, default=default(10.0), help="seconds to wait for the daemon")
+
+
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {text}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``kvctl`` console script."""
-    parser = argparse.ArgumentParser(prog="kvctl", description="inspect and control a running kvd")
-    parser.add_argument("--socket", "-s", default=None, help="daemon socket (default $KVD_SOCKET or /run/kvd/kvd.sock)")
-    parser.add_argument("--json", action="store_true", help="machine-readable output")
-    parser.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the daemon")
-    sub = parser.add_subparsers(dest="command", required=True)
-    for name in ("status", "stats", "ping", "pools", "sessions", "drain", "config"):
-        sub.add_parser(name)
-    p_tr = sub.add_parser("transfers")
-    p_tr.add_argument("--watch", action="store_true", help="refresh until interrupted")
-    p_tr.add_argument("--interval", type=float, default=1.0)
+    parser = argparse.ArgumentParser(
+        prog="kvctl",
+        description="inspect and control a running kvd",
+        epilog="exit codes: 0 ok, 1 the daemon answered with an error, 2 usage error, 3 cannot reach the daemon",
+    )
+    # the common options are accepted before or after the command (kvctl --json pools, kvctl pools --json)
+    _common_options(parser, with_defaults=True)
+    common = argparse.ArgumentParser(add_help=False)
+    _common_options(common, with_defaults=False)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="command")
+    helps = {
+        "status": "daemon state, counters and pools",
+        "stats": "daemon state and counters",
+        "ping": "round trip to the daemon",
+        "pools": "pools: memory kind, fallback, occupancy",
+        "sessions": "connected executors",
+        "drain": "finish in-flight transfers, take no new work, exit",
+        "config": "the daemon's effective configuration",
+    }
+    for name, text in helps.items():
+        sub.add_parser(name, parents=[common], help=text, description=text)
+    p_tr = sub.add_parser("transfers", parents=[common], help="transfers in progress and recently finished",
+                          description="transfers in progress and recently finished, with their progress")
+    p_tr.add_argument("--watch", "-w", action="store_true", help="refresh until interrupted (Ctrl-C)")
+    p_tr.add_argument("--interval", "-n", type=_positive, default=1.0, help="seconds between refreshes (default 1)")
+    p_tr.add_argument("--count", "-c", type=_count, default=0, help="stop after this many refreshes (implies --watch)")
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:
