@@ -81,11 +81,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bounce-mb", type=int, default=128)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--json", action="store_true")
-    args = parser.parse_args(argv)
-    if args.device == "cuda":
+    args, _ = parser.parse_known_args(argv)
+    if args.device == "cuda":  # the GPU bench has its own options (--plot, --sizes, --json-out)
         from kvd.bench_transfer_gpu import main as gpu_main
 
         return int(gpu_main(argv))
+    args = parser.parse_args(argv)
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     workdir = Path(tempfile.mkdtemp(prefix="kvd-bench-", dir="/tmp"))
     try:

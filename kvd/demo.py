@@ -140,7 +140,7 @@ class Scenario:
         for r, pool in enumerate(self.gen_pools):
             got = pool.tensor[self.gen_ids[r]]
             want = self.data[:, :, :, 2 * r : 2 * r + 2]
-            ok &= torch.equal(got.view(torch.int16), want.contiguous().view(torch.int16))
+            ok &= torch.equal(got.view(torch.int16), want.to(got.device).contiguous().view(torch.int16))
         return ok
 
     def close(self) -> None:

@@ -387,6 +387,7 @@ class Engine:
             path=path,
             chunks=chunks,
             fallback=fallback or None,
+            stages=side.stages or None,
         )
 
     # -- local path -------------------------------------------------------------------------
@@ -425,10 +426,13 @@ class Engine:
                 deadline_s=max(0.0, side.deadline - trio.current_time()),
             )
         )
+        side.mark("offer_sent")
         await out.accepted.wait()
+        side.mark("accepted")
         accept = out.accept
         assert accept is not None
         p = await trio.to_thread.run_sync(partial(plan, side.layout, accept.layout, side.blocks_by_rank(), accept.blocks))
+        side.mark("planned")
         side.bytes_total = p.total_bytes()
         mapped = {r: link.mapped.get(name) for r, name in accept.pool_names.items()}
         if mapped and all(m is not None for m in mapped.values()) and set(p.dst_ranks()) <= set(mapped):
@@ -460,19 +464,33 @@ class Engine:
                 side.path = "bounce"
                 writes = await self._send_bounce(side, link, sched, first_slot, out)
                 chunks, fallback = writes, ""
+        side.mark("data_sent")
         side.state = "finishing"
         await link.send(x.XferDone(request_id=side.request_id, writes=writes, bytes=side.bytes_total, chunks=chunks))
         await out.completed.wait()
+        side.mark("confirmed")
         self._succeed(side, nbytes=side.bytes_total, path=side.path, chunks=chunks, fallback=fallback)
 
     async def _copy_mapped(self, side: Side, p: Plan, mapped: dict[int, Any]) -> None:
         """Regroup straight into the peer's pools, mapped here (same node): no NIXL, no bounce."""
         side.state = "copying"
         src_any = next(iter(side.parts.values())).pool
+        if src_any.device >= 0 and supports_box_copy(p):  # whole-block boxes, three kernels a chunk
+            from kvd.gpu_pipeline import pipelined_box_regroup
+
+            side.chunks_total = len(p.pairs())
+            src_t = {r: part.pool.tensor() for r, part in side.parts.items()}
+            dst_t = {r: m.tensor for r, m in mapped.items()}
+            side.bytes_done = await trio.to_thread.run_sync(
+                partial(pipelined_box_regroup, p, src_t, dst_t, chunk_bytes=self.chunk_bytes)
+            )
+            side.chunks_done = side.chunks_total
+            return
         if src_any.device >= 0:  # GPU pools: gather / NVLink copy / scatter on CUDA streams
             from kvd.gpu_pipeline import pipelined_regroup
 
             sched = await trio.to_thread.run_sync(partial(schedule, p, chunk_bytes=self.chunk_bytes))
+            side.mark("scheduled")
             side.chunks_total = sched.num_chunks()
             src = {r: part.pool.tensor_u8() for r, part in side.parts.items()}
             dst = {r: m.raw for r, m in mapped.items()}
@@ -576,15 +594,16 @@ class Engine:
         side.started = time.monotonic()
         inc = _Incoming()
         self.incoming[side.request_id] = inc
-        p = await trio.to_thread.run_sync(partial(plan, offer.layout, side.layout, offer.blocks, side.blocks_by_rank()))
-        side.bytes_total = p.total_bytes()
         regions = {
             r: x.RemoteRegion(addr=part.pool.ptr, nbytes=part.pool.nbytes, device=part.pool.device)
             for r, part in side.parts.items()
         }
         names = {r: part.pool.name for r, part in side.parts.items()}
+        # accept first, plan second: the sender plans the same regroup meanwhile
         await link.send(x.XferAccept(request_id=side.request_id, layout=side.layout, blocks=side.blocks_by_rank(),
                                      pools=regions, pool_names=names))
+        p = await trio.to_thread.run_sync(partial(plan, offer.layout, side.layout, offer.blocks, side.blocks_by_rank()))
+        side.bytes_total = p.total_bytes()
         side.state = "receiving"
         if p.direct:
             side.path = "direct"

@@ -60,6 +60,12 @@ class Side:
     chunks_done: int = 0
     path: str = ""
     started: float = 0.0
+    #: stage name -> seconds since ``started`` when it ended (logged with the transfer)
+    stages: dict[str, float] = field(default_factory=dict)
+
+    def mark(self, stage: str) -> None:
+        """Record that ``stage`` just ended (for the per-transfer log line)."""
+        self.stages[stage] = round(time.monotonic() - self.started, 6)
 
     @property
     def complete(self) -> bool:
