@@ -150,7 +150,9 @@ def _e2e(workdir: Path, max_blocks: int, sizes: list[int], repeat: int, mapped: 
             finally:
                 scenario.close()
             c = results["ctx0"]
-            by_size[n] = {"bytes": c.bytes, "path": c.path, "chunks": c.chunks, "best_s": min(walls),
+            done_lines = [json.loads(line) for line in ctx_d.log().splitlines() if '"transfer.done"' in line]
+            stages = done_lines[-1].get("stages") if done_lines else None
+            by_size[n] = {"stages": stages, "bytes": c.bytes, "path": c.path, "chunks": c.chunks, "best_s": min(walls),
                           "median_s": statistics.median(walls), "gbps": c.bytes / min(walls) / 1e9,
                           "daemon_gbps": c.bytes / c.duration_s / 1e9 if c.duration_s else 0.0, "verified": ok}
         kinds = [line for line in ctx_d.log().splitlines() if '"pool.fabric_unavailable"' in line]
@@ -243,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  raw NIXL write, per 8 KiB fragment         {raw['per_fragment']['gbps']:8.2f} GB/s")
         for k, v in report["ratios"].items():
             print(f"  ratio {k:<36} {v:8.2f}")
+        print(f"  ctx-side stages, mapped (s since start): {m.get('stages')}")
+        print(f"  ctx-side stages, bounce (s since start): {b.get('stages')}")
         print("  size sweep (blocks: mapped GB/s, bounce GB/s):")
         for n in sizes:
             print(f"    {n:4d}: {mapped['by_blocks'][n]['gbps']:7.1f}  {nixl['by_blocks'][n]['gbps']:7.1f}")
