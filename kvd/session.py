@@ -240,8 +240,10 @@ async def _dispatch(
     session = conn.session
     if isinstance(msg, m.Drain):
         # reply first: once the stop is requested the root nursery may cancel this session
-        await conn.send(m.Ok(id=msg.id))
-        daemon.request_stop("drain requested by client", session)
+        try:
+            await conn.send(m.Ok(id=msg.id))
+        finally:
+            daemon.request_stop("drain requested by client", session)
         return
     if isinstance(msg, m.Wait):
         if session.inflight >= daemon.config.limits.max_inflight_per_session:
