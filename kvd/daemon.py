@@ -145,6 +145,8 @@ class Daemon:
             return self._alloc(session, msg), []
         if isinstance(msg, m.Free):
             pool = self.pool(msg.pool)
+            if self.engine is not None:
+                self.engine.check_not_in_flight(session, msg.pool, msg.block_ids)
             pool.blocks.free(session.id, msg.block_ids)
             self._update_pool_metrics()
             return m.Freed(id=msg.id, pool=msg.pool, count=len(msg.block_ids)), []

@@ -40,6 +40,7 @@ from protocol import messages as m
 from protocol import transfer as x
 from protocol.errors import (
     BadRequest,
+    BlocksInUse,
     KvdError,
     NotFound,
     PeerUnavailable,
@@ -103,6 +104,7 @@ class _Incoming:
         self.done_event = trio.Event()
         self.fallback = trio.Event()  # the sender needs no receive slots (mapped / fragment path)
         self.path = ""
+        self.path_set = trio.Event()  # the sender announced its path (XferPath)
 
 
 class _Outgoing:
@@ -218,6 +220,21 @@ class Engine:
             raise NotFound(f"no request {request_id!r}")
         for side in found:
             await self._fail_side(side, TransferCancelled(f"request {request_id!r} {reason}"), notify_peer=True)
+
+    def check_not_in_flight(self, session: Session, pool: str, block_ids: list[int]) -> None:
+        """Refuse to free blocks that a registered, unfinished request still reads or writes."""
+        wanted = set(block_ids)
+        for side in self.sides.values():
+            if side.completion is not None:
+                continue
+            for part in side.parts.values():
+                if part.session is session and part.pool.name == pool:
+                    busy = wanted.intersection(part.block_ids)
+                    if busy:
+                        raise BlocksInUse(
+                            f"blocks {sorted(busy)[:8]} of pool {pool!r} belong to request "
+                            f"{side.request_id!r} ({side.role}, {side.state}); wait for it or cancel it first"
+                        )
 
     async def session_ended(self, session: Session) -> None:
         """Fail every request the session took part in and wait until none uses its blocks."""
@@ -395,6 +412,7 @@ class Engine:
         """Both sides on this daemon: apply the plan pool to pool (path ``local``)."""
         ctx.started = gen.started = time.monotonic()
         ctx.state = gen.state = "copying"
+        gen.peer = self.daemon.config.node
         p = await trio.to_thread.run_sync(partial(plan, ctx.layout, gen.layout, ctx.blocks_by_rank(), gen.blocks_by_rank()))
         ctx.path = gen.path = "local"
         ctx.bytes_total = gen.bytes_total = p.total_bytes()
@@ -442,10 +460,12 @@ class Engine:
             writes, chunks, fallback = 0, len(p.pairs()), ""
         elif p.direct:
             side.path = "direct"
+            await link.send(x.XferPath(request_id=side.request_id, path="direct"))
             writes = await self._send_fragments(side, link, p, accept)
             chunks = writes
             fallback = ""
         else:
+            await link.send(x.XferPath(request_id=side.request_id, path="bounce"))
             sched = await trio.to_thread.run_sync(partial(schedule, p, chunk_bytes=self.chunk_bytes))
             side.chunks_total = sched.num_chunks()
             first = trio.move_on_after(self.cfg.bounce_wait_s)
@@ -605,12 +625,11 @@ class Engine:
         p = await trio.to_thread.run_sync(partial(plan, offer.layout, side.layout, offer.blocks, side.blocks_by_rank()))
         side.bytes_total = p.total_bytes()
         side.state = "receiving"
-        if p.direct:
-            side.path = "direct"
+        await inc.path_set.wait()
+        if inc.path in ("direct", "mapped"):
+            side.path = inc.path
             writes = await self._receive_direct(side, inc)
             fallback = ""
-            if inc.path:
-                side.path = inc.path
         else:
             sched = await trio.to_thread.run_sync(partial(schedule, p, chunk_bytes=self.chunk_bytes))
             side.chunks_total = sched.num_chunks()
@@ -620,7 +639,8 @@ class Engine:
             if inc.path:
                 side.path = inc.path
         await link.send(x.XferComplete(request_id=side.request_id, bytes=side.bytes_total))
-        self._succeed(side, nbytes=side.bytes_total, path=side.path, chunks=writes, fallback=fallback)
+        chunks = inc.done_msg.chunks if inc.done_msg is not None else writes  # as the sender counted them
+        self._succeed(side, nbytes=side.bytes_total, path=side.path, chunks=chunks, fallback=fallback)
 
     async def _receive_direct(self, side: Side, inc: _Incoming) -> int:
         """Count the sender's write notifications until XferDone says how many there were."""
@@ -717,7 +737,9 @@ class Engine:
             inc = self.incoming.get(rid)
             if inc is not None:
                 inc.path = msg.path
-                inc.fallback.set()
+                inc.path_set.set()
+                if msg.path in ("mapped", "fragment-fallback"):
+                    inc.fallback.set()
                 inc.notifs.send_nowait(None)
             return
         if isinstance(msg, x.XferDone):

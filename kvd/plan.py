@@ -31,8 +31,9 @@ so that reads spread over the replicas and equal layouts map rank to rank.
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -98,7 +99,7 @@ class Plan:
         ctx_blocks: dict[int, Int64Array],
         gen_blocks: dict[int, Int64Array],
         num_tokens: int,
-        fragments: dict[tuple[int, int], Int64Array],
+        fragments: dict[tuple[int, int], Callable[[], Int64Array]],
         boxes: dict[tuple[int, int], Box],
     ) -> None:
         self.ctx = ctx
@@ -108,14 +109,17 @@ class Plan:
         self.gen_blocks = gen_blocks
         #: Tokens moved: min(ctx token slots, gen token slots) of the request's blocks.
         self.num_tokens = num_tokens
-        self._fragments = fragments
+        # Fragments are computed on first use per pair: the whole-block box paths (mapped,
+        # GPU pipeline) never need them, and they are most of plan()'s cost.
+        self._fragment_fns = fragments
+        self._fragments: dict[tuple[int, int], Int64Array] = {}
         self._boxes = boxes
         self._pairs = sorted(fragments)
         self._copiers: dict[tuple[int, int], FragmentCopier] = {}
 
     def __repr__(self) -> str:
         return (
-            f"Plan(pairs={len(self._pairs)}, fragments={sum(len(f) for f in self._fragments.values())}, "
+            f"Plan(pairs={len(self._pairs)}, fragments={self.num_fragments()}, "
             f"bytes={self.total_bytes()}, tokens={self.num_tokens})"
         )
 
@@ -127,7 +131,14 @@ class Plan:
     def fragments(self, s: int, d: int) -> Int64Array:
         """int64 array (N, 3): (src byte offset in rank s's pool, dst byte offset in rank d's
         pool, nbytes). Empty (0, 3) for a pair that moves nothing. Do not modify it."""
-        return self._fragments.get((s, d), _EMPTY)
+        key = (s, d)
+        frags = self._fragments.get(key)
+        if frags is None:
+            fn = self._fragment_fns.get(key)
+            if fn is None:
+                return _EMPTY
+            frags = self._fragments[key] = fn()
+        return frags
 
     def box(self, s: int, d: int) -> Box | None:
         """The layer/head region pair (s, d) moves, or None."""
@@ -143,17 +154,19 @@ class Plan:
 
     def total_bytes(self, s: int | None = None, d: int | None = None) -> int:
         """Bytes moved, over all pairs or those with the given src and/or dst rank."""
+        # a pair moves its box (layers x K/V x heads x head_dim) for every token of the request
+        per_token = 2 * self.ctx.head_dim * self.ctx.itemsize
         return sum(
-            int(f[:, 2].sum())
-            for (ps, pd), f in self._fragments.items()
+            (b.layers[1] - b.layers[0]) * (b.heads[1] - b.heads[0]) * per_token * self.num_tokens
+            for (ps, pd), b in self._boxes.items()
             if (s is None or ps == s) and (d is None or pd == d)
         )
 
     def num_fragments(self, s: int | None = None, d: int | None = None) -> int:
         """Fragments, over all pairs or those with the given src and/or dst rank."""
         return sum(
-            len(f)
-            for (ps, pd), f in self._fragments.items()
+            len(self.fragments(ps, pd))
+            for (ps, pd) in self._pairs
             if (s is None or ps == s) and (d is None or pd == d)
         )
 
@@ -421,7 +434,7 @@ def plan(
     src_off = {r: chunk_offsets(ctx, src_strides[r], cb[r]) for r in cb}
     dst_off = {r: chunk_offsets(gen, dst_strides[r], gb[r]) for r in gb}
 
-    fragments: dict[tuple[int, int], Int64Array] = {}
+    fragments: dict[tuple[int, int], Callable[[], Int64Array]] = {}
     boxes: dict[tuple[int, int], Box] = {}
     if nsub:
         for d in sorted(gb):
@@ -445,8 +458,8 @@ def plan(
                         dst_head0=g_heads[0],
                     )
                     boxes[(s, d)] = box
-                    fragments[(s, d)] = _pair_fragments(
-                        box, ctx, gen, src_strides[s], dst_strides[d], src_off[s], dst_off[d], sub
+                    fragments[(s, d)] = functools.partial(
+                        _pair_fragments, box, ctx, gen, src_strides[s], dst_strides[d], src_off[s], dst_off[d], sub
                     )
     return Plan(ctx, gen, cb, gb, tokens, fragments, boxes)
 

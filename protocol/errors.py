@@ -132,6 +132,12 @@ class BlockNotLeased(KvdError):
     code = "block_not_leased"
 
 
+class BlocksInUse(KvdError):
+    """The blocks belong to a registered request that has not finished; nothing was freed."""
+
+    code = "blocks_in_use"
+
+
 # --- layouts and transfers ---------------------------------------------------------------
 
 
