@@ -501,10 +501,12 @@ class Engine:
             side.chunks_total = len(p.pairs())
             src_t = {r: part.pool.tensor() for r, part in side.parts.items()}
             dst_t = {r: m.tensor for r, m in mapped.items()}
+            timings: dict[str, float] = {}
             side.bytes_done = await trio.to_thread.run_sync(
-                partial(pipelined_box_regroup, p, src_t, dst_t, chunk_bytes=self.chunk_bytes)
+                partial(pipelined_box_regroup, p, src_t, dst_t, chunk_bytes=self.chunk_bytes, timings=timings)
             )
             side.chunks_done = side.chunks_total
+            side.stages.update({f"gpu_{k}": round(v, 6) for k, v in timings.items()})
             return
         if src_any.device >= 0:  # GPU pools: gather / NVLink copy / scatter on CUDA streams
             from kvd.gpu_pipeline import pipelined_regroup

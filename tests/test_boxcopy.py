@@ -67,3 +67,14 @@ def test_vectorised_box_views_match_plan(case: str) -> None:
             dv.index_copy_(0, dids[lo : lo + 2], staged.clone())
     for r in ref:
         assert torch.equal(dst[r].view(torch.int16), ref[r].view(torch.int16)), r
+
+
+def test_widest_view_keeps_bytes() -> None:
+    from kvd.gpu_pipeline import _widest
+
+    t = torch.arange(2 * 3 * 64, dtype=torch.int16).view(torch.bfloat16).view(2, 3, 64)
+    w = _widest(t)
+    assert w.dtype == torch.int64 and w.shape == (2, 3, 16)
+    assert torch.equal(w.view(torch.int16).view(2, 3, 64), t.view(torch.int16))
+    odd = torch.zeros(2, 3, dtype=torch.bfloat16)  # 6-byte rows: int16 is the widest that fits
+    assert _widest(odd).dtype == torch.int16
