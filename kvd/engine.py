@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from functools import partial
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -31,7 +31,7 @@ import structlog
 import torch
 import trio
 
-from kvd.boxcopy import copy_pair_boxes, supports_box_copy
+from kvd.boxcopy import copy_boxes, supports_box_copy
 from kvd.plan import Plan, plan
 from kvd.requests import Role, Side, add_registration
 from kvd.slots import SlotPool
@@ -520,14 +520,14 @@ class Engine:
             side.chunks_done = side.chunks_total
             return
         side.chunks_total = len(p.pairs())
-        boxes = supports_box_copy(p)
+        if supports_box_copy(p):  # one strided copy per block, blocks spread over worker threads
+            src_t = {r: part.pool.tensor() for r, part in side.parts.items()}
+            dst_t = {r: m.tensor for r, m in mapped.items()}
+            side.bytes_done = await trio.to_thread.run_sync(partial(copy_boxes, p, src_t, dst_t))
+            side.chunks_done = side.chunks_total
+            return
         for s, d in p.pairs():
-            fn: Callable[[], object]
-            if boxes:  # one strided copy per block: every byte moved once
-                fn = partial(copy_pair_boxes, p, s, d, side.parts[s].pool.tensor(), mapped[d].tensor)
-            else:
-                fn = partial(p.copier(s, d).copy, side.parts[s].pool.tensor_u8(), mapped[d].raw)
-            await trio.to_thread.run_sync(fn)
+            await trio.to_thread.run_sync(p.copier(s, d).copy, side.parts[s].pool.tensor_u8(), mapped[d].raw)
             side.bytes_done += p.total_bytes(s, d)
             side.chunks_done += 1
 

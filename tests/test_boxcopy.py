@@ -78,3 +78,14 @@ def test_widest_view_keeps_bytes() -> None:
     assert torch.equal(w.view(torch.int16).view(2, 3, 64), t.view(torch.int16))
     odd = torch.zeros(2, 3, dtype=torch.bfloat16)  # 6-byte rows: int16 is the widest that fits
     assert _widest(odd).dtype == torch.int16
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_parallel_box_copy_matches_plan(case: str) -> None:
+    from kvd.boxcopy import copy_boxes
+
+    p, src, ref, dst = _setup(case)
+    moved = copy_boxes(p, src, dst, workers=3)
+    assert moved == p.total_bytes()
+    for r in ref:
+        assert torch.equal(dst[r].view(torch.int16), ref[r].view(torch.int16)), r
