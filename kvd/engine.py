@@ -31,11 +31,12 @@ import structlog
 import torch
 import trio
 
+from kvd import boxbounce
 from kvd.boxcopy import copy_boxes, supports_box_copy
 from kvd.plan import Plan, plan
 from kvd.requests import Role, Side, add_registration
 from kvd.slots import SlotPool
-from kvd.stager import BounceSchedule, Chunk, gather, scatter, schedule
+from kvd.stager import Chunk, gather, scatter, schedule
 from protocol import messages as m
 from protocol import transfer as x
 from protocol.errors import (
@@ -53,6 +54,7 @@ from protocol.errors import (
 if TYPE_CHECKING:
     from kvd.daemon import Daemon
     from kvd.links import PeerLink, PeerLinks
+    from kvd.pool import Pool
     from kvd.session import Session
     from kvd.transport import NixlAgent
 
@@ -78,6 +80,27 @@ def _scatter_synced(chunk: Chunk, bounce: Any, dst_pool: Any) -> None:
     scatter(chunk, bounce, dst_pool)
     if bounce.is_cuda:
         torch.cuda.current_stream(bounce.device).synchronize()
+
+
+class _BouncePlan:
+    """The chunk list both daemons derive from one plan, and how to stage each chunk."""
+
+    def __init__(self, p: Plan, chunks: list[Any], *, boxes: bool) -> None:
+        self.plan = p
+        self.chunks = chunks
+        self.boxes = boxes
+
+    def gather(self, chunk: Any, pool: Pool, slot: torch.Tensor) -> None:
+        if self.boxes:
+            boxbounce.gather_box(self.plan, chunk, pool.tensor(), slot)
+        else:
+            _gather_synced(chunk, pool.tensor_u8(), slot)
+
+    def scatter(self, chunk: Any, slot: torch.Tensor, pool: Pool) -> None:
+        if self.boxes:
+            boxbounce.scatter_box(self.plan, chunk, slot, pool.tensor())
+        else:
+            _scatter_synced(chunk, slot, pool.tensor_u8())
 
 
 def _first_kvd_error(exc: BaseException) -> KvdError | None:
@@ -466,8 +489,8 @@ class Engine:
             fallback = ""
         else:
             await link.send(x.XferPath(request_id=side.request_id, path="bounce"))
-            sched = await trio.to_thread.run_sync(partial(schedule, p, chunk_bytes=self.chunk_bytes))
-            side.chunks_total = sched.num_chunks()
+            sched = await trio.to_thread.run_sync(self._bounce_plan, p)
+            side.chunks_total = len(sched.chunks)
             first = trio.move_on_after(self.cfg.bounce_wait_s)
             with first:
                 first_slot = await out.grants_rx.receive()
@@ -560,16 +583,22 @@ class Engine:
                 side.chunks_done = seq
         return seq
 
-    async def _send_bounce(self, side: Side, link: PeerLink, sched: BounceSchedule, first_slot: int, out: _Outgoing) -> int:
+    def _bounce_plan(self, p: Plan) -> _BouncePlan:
+        """Chunks for the bounce pipeline: whole-block boxes when they apply, else fragments."""
+        if boxbounce.fits(p, self.chunk_bytes):
+            return _BouncePlan(p, boxbounce.box_chunks(p, self.chunk_bytes), boxes=True)
+        return _BouncePlan(p, schedule(p, chunk_bytes=self.chunk_bytes).all_chunks(), boxes=False)
+
+    async def _send_bounce(self, side: Side, link: PeerLink, sched: _BouncePlan, first_slot: int, out: _Outgoing) -> int:
         """The bounce pipeline: gather k+1 while k is on the wire (receiver scatters k-1)."""
         assert self.nixl is not None
         nixl = self.nixl
-        chunks = sched.all_chunks()
+        chunks = sched.chunks
         rid = side.request_id
         side.state = "streaming"
         pending_slot: int | None = first_slot
 
-        async def write_and_release(chunk: Chunk, seq: int, local_slot: int, remote_slot: int) -> None:
+        async def write_and_release(chunk: Any, seq: int, local_slot: int, remote_slot: int) -> None:
             local = [(self.send_region.slot_addr(local_slot), chunk.nbytes)]
             remote = [(link.bounce.addr + remote_slot * link.slot_bytes, chunk.nbytes)]
             notif = x.encode_notif(x.Notif(rid, seq, remote_slot))
@@ -589,9 +618,8 @@ class Engine:
                 else:
                     remote_slot, pending_slot = pending_slot, None
                 local_slot = await self.send_slots.acquire(rid)
-                src_pool = side.parts[chunk.src].pool.tensor_u8()
                 staging = self.send_region.slot_tensor(local_slot)
-                await trio.to_thread.run_sync(partial(_gather_synced, chunk, src_pool, staging))
+                await trio.to_thread.run_sync(sched.gather, chunk, side.parts[chunk.src].pool, staging)
                 writers.start_soon(write_and_release, chunk, seq, local_slot, remote_slot)
         return len(chunks)
 
@@ -633,8 +661,8 @@ class Engine:
             writes = await self._receive_direct(side, inc)
             fallback = ""
         else:
-            sched = await trio.to_thread.run_sync(partial(schedule, p, chunk_bytes=self.chunk_bytes))
-            side.chunks_total = sched.num_chunks()
+            sched = await trio.to_thread.run_sync(self._bounce_plan, p)
+            side.chunks_total = len(sched.chunks)
             side.path = "bounce"
             writes = await self._receive_bounce(side, link, sched, inc)
             fallback = "fragment" if inc.path == "fragment-fallback" else ""
@@ -655,9 +683,9 @@ class Engine:
                 seen += 1
                 side.chunks_done = seen
 
-    async def _receive_bounce(self, side: Side, link: PeerLink, sched: BounceSchedule, inc: _Incoming) -> int:
+    async def _receive_bounce(self, side: Side, link: PeerLink, sched: _BouncePlan, inc: _Incoming) -> int:
         rid = side.request_id
-        chunks = sched.all_chunks()
+        chunks = sched.chunks
         total = len(chunks)
         scattered = 0
 
@@ -673,9 +701,8 @@ class Engine:
         async def scatter_one(n: x.Notif) -> None:
             nonlocal scattered
             chunk = chunks[n.seq]
-            dst_pool = side.parts[chunk.dst].pool.tensor_u8()
             bounce = self.recv_region.slot_tensor(n.slot)
-            await trio.to_thread.run_sync(partial(_scatter_synced, chunk, bounce, dst_pool))
+            await trio.to_thread.run_sync(sched.scatter, chunk, bounce, side.parts[chunk.dst].pool)
             self.recv_slots.release(rid, n.slot)
             scattered += 1
             side.chunks_done = scattered

@@ -67,7 +67,8 @@ async def test_request_three_times_the_bounce_region_streams(daemon_factory: Fac
     out = await run_transfer(pair, ctx, gen, request_id="req-big", blocks=16)
     assert_exact(out, gen)
     c = out.gen[0]
-    assert c.bytes == 3 * 4 * 2**20 and c.chunks == 12 and c.path == "bounce"
+    # 12 MiB through 4 slots of 1 MiB: every slot is reused at least 3 times
+    assert c.bytes == 3 * 4 * 2**20 and c.chunks >= 12 and c.path == "bounce"
 
 
 async def test_sixteen_concurrent_requests(daemon_factory: Factory, short_tmp: Path) -> None:
