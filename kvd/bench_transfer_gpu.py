@@ -169,10 +169,11 @@ def _plot(report: dict[str, Any], path: str) -> None:
     import matplotlib.pyplot as plt  # type: ignore[import-not-found, unused-ignore]
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for key, label in (("e2e_mapped", "kvd mapped (copy engine)"), ("e2e_nixl_bounce", "kvd NIXL bounce")):
+    for key, label in (("e2e_mapped", "kvd mapped (3-stream GPU pipeline)"), ("e2e_nixl_bounce", "kvd NIXL bounce")):
         pts = sorted((int(n), v["gbps"]) for n, v in report[key]["by_blocks"].items())
         ax.plot([p[0] * BLOCK_BYTES / MiB for p in pts], [p[1] for p in pts], marker="o", label=label)
     ax.axhline(report["contiguous_copy_gbps"], color="gray", linestyle="--", label="contiguous GPU0->GPU1 copy")
+    ax.axhline(report["raw_nixl"]["large"]["gbps"], color="green", linestyle="-.", label="raw NIXL, 64 MiB descriptors")
     ax.axhline(report["raw_nixl"]["per_fragment"]["gbps"], color="red", linestyle=":", label="raw NIXL per fragment")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("request size (MiB; 2.25 MiB per block)")

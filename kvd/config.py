@@ -94,6 +94,7 @@ class TransferConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
 
     bounce_size_mb: int = 512  # receive region per peer link (and send staging)
     chunk_mb: int = 64  # one NIXL write per chunk
+    gpu_chunk_mb: int = 128  # chunk of the GPU-to-GPU mapped pipeline (fewer, larger: host-bound)
     deadline_s: float = 60.0  # default per-transfer deadline
     bounce_wait_s: float = 5.0  # how long to wait for credits before per-fragment fallback
     nixl_progress_thread: bool = False  # DESIGN.md: off is faster on small hosts

@@ -526,7 +526,8 @@ class Engine:
             dst_t = {r: m.tensor for r, m in mapped.items()}
             timings: dict[str, float] = {}
             side.bytes_done = await trio.to_thread.run_sync(
-                partial(pipelined_box_regroup, p, src_t, dst_t, chunk_bytes=self.chunk_bytes, timings=timings)
+                partial(pipelined_box_regroup, p, src_t, dst_t, chunk_bytes=self.cfg.gpu_chunk_mb << 20,
+                        timings=timings)
             )
             side.chunks_done = side.chunks_total
             side.stages.update({f"gpu_{k}": round(v, 6) for k, v in timings.items()})

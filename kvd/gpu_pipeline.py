@@ -164,7 +164,9 @@ def pipelined_box_regroup(
         dst_view = _box_view(dst_pools[d], p.gen, (box.layers[0] - box.dst_layer0, box.layers[1] - box.dst_layer0),
                              (box.heads[0] - box.dst_head0, box.heads[1] - box.dst_head0))
         per_block = src_view[0].numel() * src_view.element_size()
-        step = max(1, chunk_bytes // per_block)
+        # as few chunks as fit chunk_bytes, of balanced size (no small tail chunk)
+        nchunks = max(1, -(-len(p.ctx_blocks[s]) * per_block // chunk_bytes))
+        step = max(1, -(-len(p.ctx_blocks[s]) // nchunks))
         src_ids = torch.as_tensor(p.ctx_blocks[s], device=src_view.device)
         dst_ids = torch.as_tensor(p.gen_blocks[d], device=dst_view.device)
         for lo in range(0, len(src_ids), step):
