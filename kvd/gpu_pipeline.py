@@ -166,7 +166,7 @@ def pipelined_box_regroup(
         per_block = src_view[0].numel() * src_view.element_size()
         # as few chunks as fit chunk_bytes, of balanced size (no small tail chunk)
         nchunks = max(1, -(-len(p.ctx_blocks[s]) * per_block // chunk_bytes))
-        step = max(1, -(-len(p.ctx_blocks[s]) // nchunks))
+        step = max(1, min(-(-len(p.ctx_blocks[s]) // nchunks), chunk_bytes // per_block))
         src_ids = torch.as_tensor(p.ctx_blocks[s], device=src_view.device)
         dst_ids = torch.as_tensor(p.gen_blocks[d], device=dst_view.device)
         for lo in range(0, len(src_ids), step):
