@@ -518,7 +518,7 @@ class Engine:
         """Regroup straight into the peer's pools, mapped here (same node): no NIXL, no bounce."""
         side.state = "copying"
         src_any = next(iter(side.parts.values())).pool
-        if src_any.device >= 0 and supports_box_copy(p):  # whole-block boxes, three kernels a chunk
+        if src_any.device >= 0 and boxbounce.fits(p, self.cfg.gpu_chunk_mb << 20):  # boxes: 3 kernels a chunk
             from kvd.gpu_pipeline import pipelined_box_regroup
 
             side.chunks_total = len(p.pairs())
