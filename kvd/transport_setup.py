@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import secrets
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -78,6 +79,34 @@ def _staging(nbytes_slot: int, slots: int, device: int) -> StagingRegion:
     return StagingRegion(tensor, nbytes_slot, slots)
 
 
+def device_transport_warnings(daemon: Daemon, env: Mapping[str, str]) -> list[dict[str, str]]:
+    """Say at startup when UCX will move device memory slowly (DESIGN.md: never a silent slow path).
+
+    - ``UCX_TLS`` set without ``cuda_ipc`` (or ``all``/``^`` exclusions of it): GPU-to-GPU
+      writes on a node fall back to staging through host memory.
+    - a ``posix_fd`` pool: UCX cuda_ipc cannot target POSIX-fd VMM memory (0.5 GB/s measured,
+      against ~300 GB/s into cudaMalloc memory), so NIXL writes INTO it crawl.
+    """
+    gpu_pools = [p for p in daemon.pools.values() if p.device >= 0]
+    if not gpu_pools:
+        return []
+    out: list[dict[str, str]] = []
+    tls = env.get("UCX_TLS", "")
+    if tls:
+        names = [t.strip() for t in tls.split(",")]
+        excluded = tls.startswith("^") and any(n.lstrip("^") in ("cuda_ipc", "cuda") for n in names)
+        listed = any(n in ("all", "cuda_ipc", "cuda") for n in names)
+        if excluded or (not tls.startswith("^") and not listed):
+            out.append({"reason": f"UCX_TLS={tls} leaves out cuda_ipc: GPU writes go through host memory",
+                        "setting": "UCX_TLS"})
+    for p in gpu_pools:
+        if p.kind == "posix_fd":
+            out.append({"reason": f"pool {p.name} is POSIX-fd VMM memory: UCX cuda_ipc cannot write into it "
+                                  "(0.5 GB/s measured on H200); use memory = auto or device for NIXL targets",
+                        "setting": f"pools.{p.name}.memory"})
+    return out
+
+
 def setup_transport(daemon: Daemon, chunk_bytes: int, slots: int) -> Transport:
     """Create the agent, allocate staging, register pools + staging (blocking: run in a thread)."""
     cfg = daemon.config
@@ -95,6 +124,8 @@ def setup_transport(daemon: Daemon, chunk_bytes: int, slots: int) -> Transport:
     except BaseException:
         agent.close()
         raise
+    for warning in device_transport_warnings(daemon, os.environ):
+        log.warning("transport.slow_device_path", **warning)
     log.info(
         "transport.ready",
         agent=name,
