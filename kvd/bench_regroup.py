@@ -30,12 +30,15 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from kvd.plan import KVLayout, plan
 from kvd.stager import gather, scatter, schedule
+
+if TYPE_CHECKING:
+    import torch
 
 GPT_OSS_120B: dict[str, Any] = {
     "num_layers": 36,
@@ -231,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
                 "check_ok": ok,
             }
         )
+    if run_torch:
+        ok = _box_paths(args, p, src, dst, check, ctx, gen, device, dst_device, timed, gbps, t_copy, result) and ok
     ce: dict[str, Any] | None = None
     if engine in ("copy", "both"):
         ce = _copy_engine(args, p, chunks, src, dst, check, bounce, flat_src, flat_dst, device, dst_device)
@@ -263,9 +268,87 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"  check                {'ok' if result['check_ok'] else 'MISMATCH'} (bounce path == direct path)"
         )
+    if "box_gather_scatter_gbps" in result:
+        print(f"  box gather+scatter   {result['box_gather_scatter_gbps']:.2f} GB/s (whole-block boxes, one index "
+              f"kernel per chunk; ratio to copy {result['ratio_box_gather_scatter_to_copy']:.2f})")
+        print(f"  box one-pass         {result['box_one_pass_gbps']:.2f} GB/s ({result['box_one_pass_kind']}; "
+              f"ratio to copy {result['ratio_box_one_pass_to_copy']:.2f}, check "
+              f"{'ok' if result['box_check_ok'] else 'MISMATCH'})")
     if ce is not None:
         _print_copy_engine(ce)
     return 0 if ok else 1
+
+
+def _box_paths(
+    args: argparse.Namespace,
+    p: Any,
+    src: torch.Tensor,
+    dst: dict[int, torch.Tensor],
+    check: dict[int, torch.Tensor],
+    ctx: KVLayout,
+    gen: KVLayout,
+    device: torch.device,
+    dst_device: torch.device,
+    timed: Callable[[dict[str, Callable[[], None]], int], dict[str, float]],
+    gbps: Callable[[float], float],
+    t_copy: float,
+    result: dict[str, Any],
+) -> bool:
+    """The whole-block box paths the daemon uses: bounce chunks (gather_box / scatter_box) and
+    the one-pass regroup (GPU: the 3-stream pipeline; host: parallel strided block copies)."""
+    import torch
+
+    from kvd import boxbounce
+    from kvd.boxcopy import copy_boxes
+    from kvd.plan import Plan
+
+    assert isinstance(p, Plan)
+    chunk_bytes = args.chunk_mb << 20
+    if not boxbounce.fits(p, chunk_bytes):
+        return True
+    dtype = torch.bfloat16 if ctx.dtype == "bfloat16" else torch.uint8
+    src_t = src[: ctx.pool_bytes(0)].view(dtype).view(ctx.pool_shape(0))
+    dst_t = {r: t.view(dtype).view(gen.pool_shape(r)) for r, t in dst.items()}
+    bchunks = boxbounce.box_chunks(p, chunk_bytes)
+    slot_src = torch.empty(chunk_bytes, dtype=torch.uint8, device=device)
+    slot_dst = slot_src if dst_device == device else torch.empty(chunk_bytes, dtype=torch.uint8, device=dst_device)
+
+    def box_gs() -> None:
+        for c in bchunks:
+            boxbounce.gather_box(p, c, src_t, slot_src)
+            if slot_dst is not slot_src:
+                slot_dst[: c.nbytes].copy_(slot_src[: c.nbytes])
+            boxbounce.scatter_box(p, c, slot_dst, dst_t[c.dst])
+
+    if device.type == "cuda":
+        from kvd.gpu_pipeline import pipelined_box_regroup
+
+        kind = "3-stream pipeline: index_select / copy / index_copy_"
+
+        def one_pass() -> None:
+            pipelined_box_regroup(p, {0: src_t}, dst_t, chunk_bytes=2 * chunk_bytes)
+    else:
+        kind = "parallel strided block copies"
+
+        def one_pass() -> None:
+            copy_boxes(p, {0: src_t}, dst_t)
+
+    t = timed({"box_gs": box_gs, "one_pass": one_pass}, args.repeats)
+    for r in dst:
+        dst[r].zero_()
+    one_pass()
+    if device.type == "cuda":
+        torch.cuda.synchronize(dst_device)
+    ok = all(torch.equal(check[r], dst[r]) for r in dst)
+    result.update({
+        "box_gather_scatter_gbps": gbps(t["box_gs"]),
+        "ratio_box_gather_scatter_to_copy": t_copy / t["box_gs"],
+        "box_one_pass_gbps": gbps(t["one_pass"]),
+        "box_one_pass_kind": kind,
+        "ratio_box_one_pass_to_copy": t_copy / t["one_pass"],
+        "box_check_ok": ok,
+    })  # fmt: skip
+    return ok
 
 
 def _copy_engine(
