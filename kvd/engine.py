@@ -219,6 +219,8 @@ class Engine:
         session.requests.add(msg.request_id)
         if side.complete:
             self._start(side)
+        elif len(side.parts) == 1:  # first rank of a side: the deadline runs from now
+            self._nursery_start(self._expire_incomplete, side)
 
     async def wait(self, session: Session, msg: m.Wait) -> m.Completion:
         sides = [s for (rid, _r), s in self.sides.items() if rid == msg.request_id and session.id in s.sessions()]
@@ -798,6 +800,23 @@ class Engine:
     def _nursery_start(self, fn: Any, *args: Any) -> None:
         assert self._nursery is not None
         self._nursery.start_soon(fn, *args)
+
+    async def _expire_incomplete(self, side: Side) -> None:
+        """Fail a side whose ranks did not all register before its deadline (no task runs it yet)."""
+        while side.completion is None and not side.complete:
+            if trio.current_time() >= side.deadline:
+                missing = sorted(set(side.ranks) - set(side.parts))
+                await self._fail_side(
+                    side,
+                    TransferTimeout(
+                        f"request {side.request_id!r} ({side.role}): ranks {missing} never registered "
+                        f"before the deadline ({len(side.parts)} of {len(side.ranks)} did)"
+                    ),
+                    notify_peer=False,
+                )
+                return
+            with trio.move_on_at(side.deadline):
+                await side.done.wait()  # a cancel or failure ends the wait early
 
     async def _expire_offer(self, rid: str, seconds: float) -> None:
         await trio.sleep(seconds)
