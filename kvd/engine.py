@@ -124,7 +124,6 @@ class _Incoming:
         self.notifs_rx: trio.MemoryReceiveChannel[x.Notif | None]
         self.notifs, self.notifs_rx = trio.open_memory_channel[x.Notif | None](math.inf)
         self.done_msg: x.XferDone | None = None
-        self.done_event = trio.Event()
         self.fallback = trio.Event()  # the sender needs no receive slots (mapped / fragment path)
         self.path = ""
         self.path_set = trio.Event()  # the sender announced its path (XferPath)
@@ -778,7 +777,6 @@ class Engine:
             inc = self.incoming.get(rid)
             if inc is not None:
                 inc.done_msg = msg
-                inc.done_event.set()
                 inc.notifs.send_nowait(None)
             return
         if isinstance(msg, x.XferComplete):
