@@ -9,10 +9,12 @@ from __future__ import annotations
 import array
 import os
 import socket
+from collections.abc import Sequence
 from typing import TypeVar
 
 from protocol import messages as m
 from protocol.errors import ProtocolError, error_from_code
+from protocol.layout import KVLayout
 
 T = TypeVar("T", bound=m.Message)
 
@@ -44,6 +46,37 @@ def fds_from_ancillary(ancdata: list[tuple[int, int, bytes]]) -> list[int]:
             arr.frombytes(data[: len(data) - (len(data) % arr.itemsize)])
             fds.extend(arr)
     return fds
+
+
+def expect_request(
+    id: int,
+    request_id: str,
+    pool: str,
+    layout: KVLayout,
+    rank: int,
+    block_ids: Sequence[int],
+    ranks: list[int] | None,
+    deadline_s: float | None,
+) -> m.Expect:
+    """The ``Expect`` both clients send (gen side registration)."""
+    return m.Expect(id=id, request_id=request_id, pool=pool, layout=layout, rank=rank,
+                    block_ids=list(block_ids), ranks=ranks, deadline_s=deadline_s)
+
+
+def publish_request(
+    id: int,
+    request_id: str,
+    pool: str,
+    layout: KVLayout,
+    rank: int,
+    block_ids: Sequence[int],
+    peer: str,
+    ranks: list[int] | None,
+    deadline_s: float | None,
+) -> m.Publish:
+    """The ``Publish`` both clients send (ctx side registration)."""
+    return m.Publish(id=id, request_id=request_id, pool=pool, layout=layout, rank=rank,
+                     block_ids=list(block_ids), peer=peer, ranks=ranks, deadline_s=deadline_s)
 
 
 def completion_or_raise(reply: m.Completion) -> m.Completion:

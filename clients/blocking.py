@@ -20,7 +20,9 @@ from clients._wire import (
     check_reply,
     completion_or_raise,
     default_socket_path,
+    expect_request,
     fds_from_ancillary,
+    publish_request,
 )
 from protocol import messages as m
 from protocol.codec import decode_reply, encode
@@ -162,10 +164,7 @@ class Client:
         ranks: list[int] | None = None,
         deadline_s: float | None = None,
     ) -> None:
-        msg = m.Expect(
-            id=self._id(), request_id=request_id, pool=pool, layout=layout, rank=rank,
-            block_ids=list(block_ids), ranks=ranks, deadline_s=deadline_s,
-        )  # fmt: skip
+        msg = expect_request(self._id(), request_id, pool, layout, rank, block_ids, ranks, deadline_s)
         self._call(msg, m.Registered)
 
     def publish(
@@ -180,10 +179,7 @@ class Client:
         ranks: list[int] | None = None,
         deadline_s: float | None = None,
     ) -> None:
-        msg = m.Publish(
-            id=self._id(), request_id=request_id, pool=pool, layout=layout, rank=rank,
-            block_ids=list(block_ids), peer=peer, ranks=ranks, deadline_s=deadline_s,
-        )  # fmt: skip
+        msg = publish_request(self._id(), request_id, pool, layout, rank, block_ids, peer, ranks, deadline_s)
         self._call(msg, m.Registered)
 
     def wait(self, request_id: str, timeout_s: float | None = None) -> m.Completion:

@@ -21,7 +21,14 @@ from typing import TYPE_CHECKING, TypeVar
 
 import trio
 
-from clients._wire import ANCILLARY_SIZE, check_reply, completion_or_raise, fds_from_ancillary
+from clients._wire import (
+    ANCILLARY_SIZE,
+    check_reply,
+    completion_or_raise,
+    expect_request,
+    fds_from_ancillary,
+    publish_request,
+)
 from protocol import messages as m
 from protocol.codec import decode_reply, encode
 from protocol.errors import ConnectionClosed, KvdError, ProtocolError, error_from_code
@@ -178,16 +185,7 @@ class AsyncClient:
         deadline_s: float | None = None,
     ) -> None:
         """gen side: this rank will receive ``request_id`` into ``block_ids``."""
-        msg = m.Expect(
-            id=self._id(),
-            request_id=request_id,
-            pool=pool,
-            layout=layout,
-            rank=rank,
-            block_ids=list(block_ids),
-            ranks=ranks,
-            deadline_s=deadline_s,
-        )
+        msg = expect_request(self._id(), request_id, pool, layout, rank, block_ids, ranks, deadline_s)
         await self._call(msg, m.Registered)
 
     async def publish(
@@ -203,17 +201,7 @@ class AsyncClient:
         deadline_s: float | None = None,
     ) -> None:
         """ctx side: this rank's KV for ``request_id`` is in ``block_ids``; send it to ``peer``."""
-        msg = m.Publish(
-            id=self._id(),
-            request_id=request_id,
-            pool=pool,
-            layout=layout,
-            rank=rank,
-            block_ids=list(block_ids),
-            peer=peer,
-            ranks=ranks,
-            deadline_s=deadline_s,
-        )
+        msg = publish_request(self._id(), request_id, pool, layout, rank, block_ids, peer, ranks, deadline_s)
         await self._call(msg, m.Registered)
 
     async def wait(self, request_id: str, timeout_s: float | None = None) -> m.Completion:
