@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Mapping
 from functools import partial
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -159,9 +158,8 @@ class _Outgoing:
 class Engine:
     """Owns NIXL, the peer links, the bounce regions and every transfer of this daemon."""
 
-    def __init__(self, daemon: Daemon, env: Mapping[str, str]) -> None:
+    def __init__(self, daemon: Daemon) -> None:
         self.daemon = daemon
-        self.env = env
         self.cfg = daemon.config.transfer
         self.sides: dict[tuple[str, Role], Side] = {}
         self.incoming: dict[str, _Incoming] = {}
@@ -186,6 +184,7 @@ class Engine:
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Bring up NIXL and the peer links; then serve transfers until cancelled."""
         from kvd.links import PeerLinks
+        from kvd.transport import poll_notifications
         from kvd.transport_setup import setup_transport
 
         transport = await trio.to_thread.run_sync(partial(setup_transport, self.daemon, self.chunk_bytes, self.recv_slots.count))
@@ -195,7 +194,8 @@ class Engine:
                 self._nursery = nursery
                 self.links = PeerLinks(self, transport)
                 self.peer_port = await nursery.start(self.links.run)
-                nursery.start_soon(self._poll_notifications)
+                # one poller for the agent's life: without NIXL's progress thread it also drives UCX
+                nursery.start_soon(partial(poll_notifications, transport.agent, self._on_notif))
                 task_status.started()
         finally:
             with trio.CancelScope(shield=True):
@@ -849,26 +849,11 @@ class Engine:
                 await self._fail_side(side, PeerUnavailable(f"peer {node} went away: {reason}"), notify_peer=False)
 
     # -- NIXL notifications -----------------------------------------------------------------
-    async def _poll_notifications(self) -> None:
-        """Drain NIXL notifications (no progress thread: this poll also drives UCX)."""
-        assert self.nixl is not None
-        nixl = self.nixl
-        idle_sleep = 0.002
-        while True:
-            notifs = nixl.notifications()
-            got = False
-            for _agent, msgs in notifs.items():
-                for raw in msgs:
-                    n = x.decode_notif(raw)
-                    if n is None:
-                        continue
-                    got = True
-                    inc = self.incoming.get(n.request_id)
-                    if inc is not None:
-                        inc.notifs.send_nowait(n)
-            if got or self._tasks:
-                await trio.sleep(0)
-                if not got:
-                    await trio.sleep(0.0002)
-            else:
-                await trio.sleep(idle_sleep)
+    def _on_notif(self, _remote: str, raw: bytes) -> None:
+        """Route one NIXL notification to the transfer receiving it (never blocks)."""
+        n = x.decode_notif(raw)
+        if n is None:
+            return
+        inc = self.incoming.get(n.request_id)
+        if inc is not None:
+            inc.notifs.send_nowait(n)

@@ -75,7 +75,7 @@ async def serve(
             await root.start(run_watchdog, notifier)
             if config.metrics_port:
                 await root.start(serve_metrics, metrics, config.metrics_host, config.metrics_port)
-            engine = Engine(daemon, env)
+            engine = Engine(daemon)
             daemon.engine = engine
             await root.start(engine.run)
             daemon._update_pool_metrics()  # the gauges start at the pools' real size
