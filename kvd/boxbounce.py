@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvd.boxcopy import _as_array, _block_view
-from kvd.gpu_pipeline import _box_view, _widest
+from kvd.boxcopy import _as_array, _block_view, widest_view
+from kvd.gpu_pipeline import _box_view
 from kvd.plan import Plan
 
 
@@ -60,10 +60,8 @@ def box_chunks(p: Plan, chunk_bytes: int) -> list[BoxChunk]:
             out.append(BoxChunk(
                 index=len(out), src=s, dst=d,
                 src_ids=tuple(src_ids[lo : lo + step]), dst_ids=tuple(dst_ids[lo : lo + step]),
-                layers_src=(box.layers[0] - box.src_layer0, box.layers[1] - box.src_layer0),
-                heads_src=(box.heads[0] - box.src_head0, box.heads[1] - box.src_head0),
-                layers_dst=(box.layers[0] - box.dst_layer0, box.layers[1] - box.dst_layer0),
-                heads_dst=(box.heads[0] - box.dst_head0, box.heads[1] - box.dst_head0),
+                layers_src=box.src_local[0], heads_src=box.src_local[1],
+                layers_dst=box.dst_local[0], heads_dst=box.dst_local[1],
                 block_bytes=block_bytes,
             ))  # fmt: skip
     return out
@@ -88,7 +86,7 @@ def _staged_shape(c: BoxChunk, view: torch.Tensor) -> tuple[int, ...]:
 def gather_box(p: Plan, c: BoxChunk, src_pool: torch.Tensor, slot: torch.Tensor) -> None:
     """Stage chunk ``c`` from the typed ``src_pool`` into the uint8 ``slot`` (waits on CUDA)."""
     if src_pool.is_cuda:
-        view = _box_view(_widest(src_pool), p.ctx, c.layers_src, c.heads_src)
+        view = _box_view(widest_view(src_pool), p.ctx, c.layers_src, c.heads_src)
         shape = _staged_shape(c, view)
         staged = slot[: c.nbytes].view(view.dtype).view(shape)
         ids = torch.tensor(c.src_ids, device=view.device)
@@ -105,7 +103,7 @@ def gather_box(p: Plan, c: BoxChunk, src_pool: torch.Tensor, slot: torch.Tensor)
 def scatter_box(p: Plan, c: BoxChunk, slot: torch.Tensor, dst_pool: torch.Tensor) -> None:
     """Write staged chunk ``c`` from the uint8 ``slot`` into the typed ``dst_pool`` (waits on CUDA)."""
     if dst_pool.is_cuda:
-        view = _box_view(_widest(dst_pool), p.gen, c.layers_dst, c.heads_dst)
+        view = _box_view(widest_view(dst_pool), p.gen, c.layers_dst, c.heads_dst)
         shape = _staged_shape(c, view)
         staged = slot[: c.nbytes].view(view.dtype).view(shape)
         ids = torch.tensor(c.dst_ids, device=view.device)

@@ -39,13 +39,19 @@ def _pool_executor() -> ThreadPoolExecutor:
     return _executor
 
 
-def _as_array(pool: torch.Tensor) -> npt.NDArray[np.generic]:
-    """The pool's bytes as a numpy array of the widest integer its innermost axis allows."""
+def widest_view(pool: torch.Tensor) -> torch.Tensor:
+    """The same bytes with the widest integer element the innermost axis allows (int64 for a
+    128-byte bf16 head vector): copy and index kernels then move 8 bytes per element, not 2."""
     row = pool.shape[-1] * pool.element_size()
-    for dtype, size in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2), (torch.uint8, 1)):
+    for dtype, size in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
         if row % size == 0 and pool.element_size() <= size:
-            return pool.view(dtype).numpy()
-    raise ValueError(f"cannot view a {pool.dtype} pool as integers")  # pragma: no cover
+            return pool.view(dtype)
+    return pool
+
+
+def _as_array(pool: torch.Tensor) -> npt.NDArray[np.generic]:
+    """The pool's bytes as a numpy array of the widest integer element (see :func:`widest_view`)."""
+    return widest_view(pool).numpy()
 
 
 def _block_view(
@@ -73,10 +79,7 @@ def _jobs(p: Plan, pairs: list[tuple[int, int]]) -> list[tuple[int, int, int, in
         box = p.box(s, d)
         if box is None:
             continue
-        sl = (box.layers[0] - box.src_layer0, box.layers[1] - box.src_layer0)
-        dl = (box.layers[0] - box.dst_layer0, box.layers[1] - box.dst_layer0)
-        sh = (box.heads[0] - box.src_head0, box.heads[1] - box.src_head0)
-        dh = (box.heads[0] - box.dst_head0, box.heads[1] - box.dst_head0)
+        (sl, sh), (dl, dh) = box.src_local, box.dst_local
         for sb, db in zip(p.ctx_blocks[s].tolist(), p.gen_blocks[d].tolist(), strict=True):
             out.append((s, d, sb, db, sl, sh, dl, dh))
     return out
@@ -109,8 +112,3 @@ def copy_boxes(
     if n == 1:
         return run(0, 1)
     return sum(_pool_executor().map(run, range(n), [n] * n))
-
-
-def copy_pair_boxes(p: Plan, s: int, d: int, src_pool: torch.Tensor, dst_pool: torch.Tensor) -> int:
-    """Copy the one pair (s, d) on the calling thread; returns the bytes copied."""
-    return copy_boxes(p, {s: src_pool}, {d: dst_pool}, [(s, d)], workers=1)

@@ -24,6 +24,7 @@ import time
 
 import torch
 
+from kvd.boxcopy import widest_view
 from kvd.plan import Plan
 from kvd.stager import BounceSchedule, gather, scatter
 from protocol.layout import KVLayout
@@ -127,16 +128,6 @@ def _pipe(sdev: torch.device, ddev: torch.device, chunk_bytes: int, buffers: int
         return pipe
 
 
-def _widest(pool: torch.Tensor) -> torch.Tensor:
-    """The same bytes with the widest element the innermost axis allows (int64 for a 128-byte
-    bf16 head vector): index kernels then move 8 bytes per element instead of 2."""
-    row = pool.shape[-1] * pool.element_size()
-    for dtype, size in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
-        if row % size == 0 and pool.element_size() <= size:
-            return pool.view(dtype)
-    return pool
-
-
 def pipelined_box_regroup(
     p: Plan,
     src_pools: dict[int, torch.Tensor],
@@ -153,16 +144,14 @@ def pipelined_box_regroup(
     three streams as :func:`pipelined_regroup`. Needs equal ``tokens_per_block`` on both sides
     (:func:`kvd.boxcopy.supports_box_copy`); pools are typed tensors shaped ``pool_shape(rank)``."""
     jobs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
-    src_pools = {r: _widest(t) for r, t in src_pools.items()}
-    dst_pools = {r: _widest(t) for r, t in dst_pools.items()}
+    src_pools = {r: widest_view(t) for r, t in src_pools.items()}
+    dst_pools = {r: widest_view(t) for r, t in dst_pools.items()}
     for s, d in p.pairs():
         box = p.box(s, d)
         if box is None:
             continue
-        src_view = _box_view(src_pools[s], p.ctx, (box.layers[0] - box.src_layer0, box.layers[1] - box.src_layer0),
-                             (box.heads[0] - box.src_head0, box.heads[1] - box.src_head0))
-        dst_view = _box_view(dst_pools[d], p.gen, (box.layers[0] - box.dst_layer0, box.layers[1] - box.dst_layer0),
-                             (box.heads[0] - box.dst_head0, box.heads[1] - box.dst_head0))
+        src_view = _box_view(src_pools[s], p.ctx, *box.src_local)
+        dst_view = _box_view(dst_pools[d], p.gen, *box.dst_local)
         per_block = src_view[0].numel() * src_view.element_size()
         # as few chunks as fit chunk_bytes, of balanced size (no small tail chunk)
         nchunks = max(1, -(-len(p.ctx_blocks[s]) * per_block // chunk_bytes))

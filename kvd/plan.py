@@ -88,6 +88,22 @@ class Box:
     src_head0: int  # first global head of the src rank's pool
     dst_head0: int
 
+    @property
+    def src_local(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        """(layers, heads) of the box as half-open ranges local to the src rank's pool."""
+        return (
+            (self.layers[0] - self.src_layer0, self.layers[1] - self.src_layer0),
+            (self.heads[0] - self.src_head0, self.heads[1] - self.src_head0),
+        )
+
+    @property
+    def dst_local(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        """(layers, heads) of the box as half-open ranges local to the dst rank's pool."""
+        return (
+            (self.layers[0] - self.dst_layer0, self.layers[1] - self.dst_layer0),
+            (self.heads[0] - self.dst_head0, self.heads[1] - self.dst_head0),
+        )
+
 
 class Plan:
     """Fragments for every (ctx rank, gen rank) pair of one request. Build with :func:`plan`."""

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from kvd.boxcopy import copy_pair_boxes, supports_box_copy
+from kvd.boxcopy import copy_boxes, supports_box_copy, widest_view
 from kvd.gpu_pipeline import _box_view
 from kvd.plan import Plan, plan
 from protocol.layout import VLLM_AXIS_ORDER, KVLayout
@@ -43,8 +43,8 @@ def _setup(case: str) -> tuple[Plan, dict[int, torch.Tensor], dict[int, torch.Te
 def test_block_by_block_box_copy_matches_plan(case: str) -> None:
     p, src, ref, dst = _setup(case)
     assert supports_box_copy(p)
-    for s, d in p.pairs():
-        copy_pair_boxes(p, s, d, src[s], dst[d])
+    for s, d in p.pairs():  # one pair at a time, on this thread
+        copy_boxes(p, {s: src[s]}, {d: dst[d]}, [(s, d)], workers=1)
     for r in ref:
         assert torch.equal(dst[r].view(torch.int16), ref[r].view(torch.int16)), r
 
@@ -56,10 +56,9 @@ def test_vectorised_box_views_match_plan(case: str) -> None:
     p, src, ref, dst = _setup(case)
     for s, d in p.pairs():
         box = p.box(s, d)
-        sv = _box_view(src[s], p.ctx, (box.layers[0] - box.src_layer0, box.layers[1] - box.src_layer0),
-                       (box.heads[0] - box.src_head0, box.heads[1] - box.src_head0))
-        dv = _box_view(dst[d], p.gen, (box.layers[0] - box.dst_layer0, box.layers[1] - box.dst_layer0),
-                       (box.heads[0] - box.dst_head0, box.heads[1] - box.dst_head0))
+        assert box is not None
+        sv = _box_view(src[s], p.ctx, *box.src_local)
+        dv = _box_view(dst[d], p.gen, *box.dst_local)
         sids = torch.as_tensor(p.ctx_blocks[s])
         dids = torch.as_tensor(p.gen_blocks[d])
         for lo in range(0, len(sids), 2):  # chunks of two blocks, as the pipeline cuts them
@@ -70,20 +69,16 @@ def test_vectorised_box_views_match_plan(case: str) -> None:
 
 
 def test_widest_view_keeps_bytes() -> None:
-    from kvd.gpu_pipeline import _widest
-
     t = torch.arange(2 * 3 * 64, dtype=torch.int16).view(torch.bfloat16).view(2, 3, 64)
-    w = _widest(t)
+    w = widest_view(t)
     assert w.dtype == torch.int64 and w.shape == (2, 3, 16)
     assert torch.equal(w.view(torch.int16).view(2, 3, 64), t.view(torch.int16))
     odd = torch.zeros(2, 3, dtype=torch.bfloat16)  # 6-byte rows: int16 is the widest that fits
-    assert _widest(odd).dtype == torch.int16
+    assert widest_view(odd).dtype == torch.int16
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_parallel_box_copy_matches_plan(case: str) -> None:
-    from kvd.boxcopy import copy_boxes
-
     p, src, ref, dst = _setup(case)
     moved = copy_boxes(p, src, dst, workers=3)
     assert moved == p.total_bytes()
