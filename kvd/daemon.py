@@ -3,7 +3,7 @@
 ``Daemon`` ties the actors together: the pools (one per configured device/rank), the
 sessions, the transfer engine and the counters behind ``Stats``. All of it lives on the
 trio thread; every mutation happens between two awaits, so each operation is atomic with
-respect to every other session (the actor rule of DESIGN.md without a channel hop for the
+respect to every other session (actors that own their state, without a channel hop for the
 sub-microsecond allocator operations). Slow work (pool creation, NIXL registration,
 gather/scatter) goes through ``trio.to_thread``.
 """

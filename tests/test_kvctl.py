@@ -1,4 +1,4 @@
-"""Issue 7, kvctl: every subcommand run as a subprocess against a real daemon, for people
+"""kvctl: every subcommand run as a subprocess against a real daemon, for people
 (tables) and for scripts (``--json``), with the exit codes scripts rely on: 0 ok, 1 the
 daemon answered with an error, 2 usage error, 3 the daemon cannot be reached."""
 

@@ -1,4 +1,4 @@
-"""Issue 7, soak: 50 executors hammer one daemon at random for ``KVD_SOAK_SECONDS`` (120 by
+"""Soak: 50 executors hammer one daemon at random for ``KVD_SOAK_SECONDS`` (120 by
 default) — connect, allocate, register requests (some run as local transfers, some expire,
 some are cancelled, most are simply dropped with the session), free, wait, and disconnect,
 sometimes with a Wait still pending. Afterwards nothing may be left: no lease, no session,
