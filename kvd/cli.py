@@ -6,20 +6,67 @@ import argparse
 import os
 import sys
 
+from kvd.startup import StartupError
 from protocol.errors import KvdError
 
 
 def _serve(args: argparse.Namespace) -> int:
+    """Run the daemon; a failure is one ``kvd: error:`` line, one log line and an exit status."""
     import trio
 
     from kvd.config import load_config
+    from kvd.daemon import check_limits
     from kvd.ops.logs import configure_logging
     from kvd.server import serve
+    from kvd.startup import config_error, explain
 
-    config = load_config(args.config)
+    try:
+        config = load_config(args.config)
+        check_limits(config.limits)
+    except KvdError as exc:
+        _configure_logging_from_env()
+        return _report(config_error(args.config, exc), stage="startup")
     configure_logging(config.log_format, config.log_level)
-    trio.run(serve, config)
+    ready = False
+
+    async def run() -> None:
+        nonlocal ready
+        async with trio.open_nursery() as nursery:
+            await nursery.start(serve, config)
+            ready = True
+
+    try:
+        trio.run(run)
+    except (Exception, BaseExceptionGroup) as exc:
+        if isinstance(exc, BaseExceptionGroup) and exc.subgroup(KeyboardInterrupt) is not None:
+            return 130
+        return _report(explain(exc), stage="running" if ready else "startup", cause=exc)
     return 0
+
+
+def _configure_logging_from_env() -> None:
+    """Logging for a daemon whose configuration could not be read: ``KVD_LOG_*`` or defaults."""
+    from kvd.ops.logs import configure_logging
+
+    try:
+        configure_logging(os.environ.get("KVD_LOG_FORMAT") or "auto", os.environ.get("KVD_LOG_LEVEL") or "info")
+    except ValueError:
+        configure_logging("auto", "info")
+
+
+def _report(error: StartupError, *, stage: str, cause: BaseException | None = None) -> int:
+    """One structured log line and one stderr line; returns the exit status."""
+    import structlog
+
+    log = structlog.get_logger("kvd.server")
+    fields = {"reason": error.message, "setting": error.setting or None, "code": error.code,
+              "exc_info": cause if error.internal else None}
+    if stage == "startup":
+        log.error("daemon.startup_failed", **fields)
+    else:
+        log.error("daemon.failed", **fields)
+    print(f"kvd: error: {error.message}", file=sys.stderr)
+    return error.exit_code
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -37,6 +37,7 @@ from kvd.config import (
     config_from_dict,
     load_config,
 )
+from kvd.startup import EX_CONFIG
 
 ROOT = Path(__file__).resolve().parent.parent
 UNIT = ROOT / "systemd" / "kvd.service"
@@ -103,6 +104,7 @@ def test_unit_service_settings(unit: dict[str, dict[str, list[str]]]) -> None:
     assert one(unit, "NotifyAccess") == "main"
     assert one(unit, "WatchdogSec") == "30"
     assert one(unit, "Restart") == "on-failure"
+    assert one(unit, "RestartPreventExitStatus") == str(EX_CONFIG)  # kvd serve's "fix the config first"
     assert one(unit, "ExecStart") == "/usr/bin/kvd serve --config /etc/kvd/kvd.toml"
     assert "ExecReload" not in unit["Service"], "kvd cannot reload its configuration in place"
     assert one(unit, "KillSignal") == "SIGTERM"
