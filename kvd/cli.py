@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from kvd.startup import StartupError
+from kvd.startup import StartupError, one_line
 from protocol.errors import KvdError
 
 
@@ -76,9 +76,25 @@ def main(argv: list[str] | None = None) -> int:
     p_serve = sub.add_parser("serve", help="run the daemon")
     p_serve.add_argument("--config", "-c", default=os.environ.get("KVD_CONFIG"), help="TOML configuration file")
     sub.add_parser("demo", help="two daemons, a regrouped TP1 -> TP4 transfer over NIXL, verified", add_help=False)
-    p_bench = sub.add_parser("bench", help="benchmarks that print figures", add_help=False)
-    p_bench.add_argument("what", choices=["ipc", "regroup", "transfer"])
+    benches = {
+        "ipc": "executor <-> daemon round trips over the Unix socket",
+        "regroup": "the regroup copies (gather/scatter, box copies) [--device cuda]",
+        "transfer": "two daemons end to end against raw NIXL [--device cuda] [--json]",
+    }
+    bench_help = "\n".join(f"  {name:<10}{text}" for name, text in benches.items())
+    p_bench = sub.add_parser(
+        "bench", help="benchmarks that print figures", add_help=False, usage="kvd bench {ipc,regroup,transfer} [options]",
+        description=f"benchmarks that print figures:\n{bench_help}\n\n`kvd bench NAME --help` lists NAME's options.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    # add_help=False: `kvd bench transfer --help` must reach the benchmark's own parser
+    p_bench.add_argument("what", nargs="?", choices=list(benches), help=argparse.SUPPRESS)
     args, rest = parser.parse_known_args(argv)
+    if args.command == "bench" and args.what is None:
+        if rest in (["-h"], ["--help"]):
+            p_bench.print_help()
+            return 0
+        p_bench.error("which benchmark? one of ipc, regroup, transfer (kvd bench --help)")
     try:
         if args.command == "serve":
             if rest:
@@ -96,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
             from kvd.bench.transfer import main as bench_main
         return bench_main(rest)
     except KvdError as exc:
-        print(f"kvd: error: {exc}", file=sys.stderr)
+        print(f"kvd: error: {one_line(exc.message or str(exc))}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

@@ -63,6 +63,7 @@ VALID_REQUESTS: list[m.Message] = [
     m.ListPools(),
     m.ListSessions(),
     m.ListTransfers(),
+    m.ListPeers(),
     m.Drain(),
     m.GetConfig(),
 ]

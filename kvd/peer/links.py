@@ -179,7 +179,8 @@ class PeerLinks:
             try:
                 conn = await connect_peer(host, port, node=self.config.node, secret=self.secret,
                                           welcome=self.welcome(), expect_node=node,
-                                          max_frame_size=self.config.limits.max_frame_size, maximum=2.0)
+                                          max_frame_size=self.config.limits.max_frame_size, maximum=2.0,
+                                          on_retry=partial(self.last_error.__setitem__, node))
             except KvdError as exc:
                 self.last_error[node] = str(exc)
                 log.warning("peer.connect_failed", node=node, host=host, port=port, error=str(exc))
