@@ -164,6 +164,19 @@ def run(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _ping_until_up(args: argparse.Namespace) -> int:
+    """``ping --wait``: a daemon that is still starting (no socket yet, or not accepting) is
+    retried every 0.1 s until it answers or the time is up (then the last error, exit 3)."""
+    deadline = time.monotonic() + args.wait
+    while True:
+        try:
+            return run(args)
+        except ConnectionClosed:
+            if time.monotonic() >= deadline:
+                raise
+        time.sleep(0.1)
+
+
 def _out(args: argparse.Namespace, obj: Any, human: Any) -> None:
     if args.json:
         print(msgspec.json.encode(obj).decode())
@@ -226,7 +239,11 @@ def main(argv: list[str] | None = None) -> int:
         "config": "the daemon's effective configuration",
     }
     for name, text in helps.items():
-        sub.add_parser(name, parents=[common], help=text, description=text)
+        if name != "ping":
+            sub.add_parser(name, parents=[common], help=text, description=text)
+    p_ping = sub.add_parser("ping", parents=[common], help=helps["ping"], description=helps["ping"])
+    p_ping.add_argument("--wait", type=_positive, metavar="SECONDS",
+                        help="retry until the daemon answers or SECONDS pass (scripts that start kvd)")
     p_tr = sub.add_parser("transfers", parents=[common], help="transfers in progress and recently finished",
                           description="transfers in progress and recently finished, with their progress")
     p_tr.add_argument("--watch", "-w", action="store_true", help="refresh until interrupted (Ctrl-C)")
@@ -237,6 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exc:
         return EXIT_USAGE if exc.code else EXIT_OK
     try:
+        if args.command == "ping" and args.wait:
+            return _ping_until_up(args)
         return run(args)
     except ConnectionClosed as exc:
         print(f"kvctl: {exc}", file=sys.stderr)

@@ -441,3 +441,19 @@ def test_kvd_bench_help_exits_0() -> None:
     run = subprocess.run([sys.executable, "-m", "kvd", "bench", "transfer", "--help"], capture_output=True,
                          text=True, timeout=60)
     assert run.returncode == 0 and "--blocks" in run.stdout  # the benchmark's own options
+
+
+def test_ping_wait_retries_until_the_daemon_is_up(daemon_factory: Callable[..., DaemonProcess],
+                                                   short_tmp: Path) -> None:
+    path = str(short_tmp / "later.sock")
+    waiter = subprocess.Popen([sys.executable, "-m", "clients.kvctl", "-s", path, "ping", "--wait", "120"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        daemon_factory({"socket_path": path}, name="later")  # kvctl is already retrying, or finds it up
+        out, err = waiter.communicate(timeout=120)
+    finally:
+        waiter.kill()
+    assert waiter.returncode == 0, err
+    assert out.startswith("pong from later in ")
+    run = kvctl("ping", "--wait", "0.3", socket=str(short_tmp / "never.sock"))
+    assert run.returncode == 3 and "cannot connect to kvd at" in run.stderr
