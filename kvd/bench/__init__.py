@@ -1,0 +1,1 @@
+"""Benchmark programs (``kvd bench ...``): they print figures; tests never assert timings."""
