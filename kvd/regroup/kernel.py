@@ -486,7 +486,9 @@ def pack(pairs: list[PairLaunch], tile_bytes: int = TILE_BYTES) -> tuple[npt.NDA
             group = max(min(THREADS, _pow2(max(1, u // 4))), THREADS // (1 << (runs_per_tile - 1).bit_length()))
             group = min(group, THREADS)
         d = desc[i]
-        d[F_SRC], d[F_DST] = p.src_ptr, p.dst_ptr
+        # a pool side's pointer is moved to the box's first run; a packed side's is byte lo
+        d[F_SRC] = p.src_ptr + (0 if p.src_packed else g.src_base)
+        d[F_DST] = p.dst_ptr + (0 if p.dst_packed else g.dst_base)
         d[F_W], d[F_U], d[F_ULO], d[F_UHI] = w, u, ulo, uhi
         d[F_SPACK], d[F_DPACK] = int(p.src_packed), int(p.dst_packed)
         d[F_NDIG], d[F_TABD] = len(g.counts), g.table_digit
