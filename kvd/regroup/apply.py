@@ -30,7 +30,7 @@ stream wait for whatever wrote the source (an executor's event, a NIXL notificat
 
 The returned :class:`Completion` has ``done()`` (non-blocking: ``cudaEventQuery`` on an event
 recorded after the work, for polling from the event loop), ``wait()``, ``engine`` and
-``nbytes``; it keeps the launch's small device table alive until done.
+``nbytes``. A launch failure surfaces there as :class:`~kvd.regroup.kernel.KernelError`.
 """
 
 from __future__ import annotations
@@ -65,26 +65,21 @@ TORCH_STEP_BYTES = 256 << 20
 class Completion:
     """Completion of one regroup call. Host work is done when the call returns."""
 
-    def __init__(self, engine: str, nbytes: int, events: list[Any] | None = None, keep: Any = None) -> None:
+    def __init__(self, engine: str, nbytes: int, events: list[Any] | None = None) -> None:
         #: ``"kernel"``, ``"torch"`` or ``"host"``.
         self.engine = engine
         #: Bytes moved.
         self.nbytes = nbytes
         self._events = events or []
-        self._keep = keep  # device tables the GPU reads until done
 
     def done(self) -> bool:
         """Whether the work has finished; never blocks (an event query per device)."""
-        if all(e.query() for e in self._events):
-            self._keep = None
-            return True
-        return False
+        return all(e.query() for e in self._events)
 
     def wait(self) -> None:
         """Block until the work has finished."""
         for e in self._events:
             e.synchronize()
-        self._keep = None
 
     def __repr__(self) -> str:
         return f"Completion(engine={self.engine!r}, nbytes={self.nbytes}, done={self.done()})"
@@ -154,16 +149,10 @@ def _check_size(name: str, pool: Any, need: int) -> None:
 
 
 def _launch(dev: int, launches: list[kernel.PairLaunch], stream: Any, nbytes: int, tile_bytes: int) -> Completion:
-    import torch
-
     k = kernel.kernel_for(dev)
     assert k is not None
-    host, npairs, tiles = kernel.pack(launches, tile_bytes)
-    with torch.cuda.device(dev), torch.cuda.stream(stream):
-        table = torch.empty(host.size, dtype=torch.int64, device=torch.device("cuda", dev))
-    k.upload(host, table.data_ptr(), stream.cuda_stream)
-    k.launch(table.data_ptr(), npairs, tiles, stream.cuda_stream)
-    return Completion("kernel", nbytes, [_record(stream)], keep=table)
+    table, npairs, tiles = kernel.pack(launches, tile_bytes)
+    return Completion("kernel", nbytes, [k.run(table, npairs, tiles, stream.cuda_stream)])
 
 
 def _torch_range(grid: PairGrid, src: Any, dst: Any, lo: int, hi: int, *, src_packed: bool, dst_packed: bool) -> None:

@@ -28,6 +28,7 @@ path. ``KVD_KERNEL=0`` turns the kernel off; ``KVD_KERNEL_ARCH=sm_XY`` overrides
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import math
@@ -45,6 +46,7 @@ from kvd.regroup.table import MAX_DIGITS, PairGrid
 
 __all__ = [
     "SOURCE",
+    "DriverEvent",
     "KernelError",
     "PairLaunch",
     "RegroupKernel",
@@ -356,34 +358,67 @@ class RegroupKernel:
                 self._peers[peer] = ok
             return ok
 
-    def launch(self, table_ptr: int, npairs: int, ntiles: int, stream: int) -> None:
-        """Launch over ``ntiles`` tiles with the packed table at device address ``table_ptr``
-        on the CUDA stream handle ``stream`` (an int, as torch's ``Stream.cuda_stream``)."""
-        if ntiles <= 0:
-            return
+    def run(self, table: npt.NDArray[np.int64], npairs: int, ntiles: int, stream: int) -> DriverEvent:
+        """Enqueue one launch on the CUDA stream handle ``stream`` (an int, as torch's
+        ``Stream.cuda_stream``): the table goes to stream-ordered device memory
+        (``cuMemAllocAsync``, one host-to-device copy from pageable memory, which returns once
+        the bytes are staged), the kernel runs over ``ntiles`` tiles, the table is freed after it
+        on the same stream; returns an event recorded after the launch. Plain driver calls: a
+        few microseconds of host time in all."""
         cu = _driver()
         _check(cu.cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent")
-        gx = min(ntiles, 1 << 30)
-        gy = -(-ntiles // gx)
-        tab_ptr = table_ptr + npairs * NF * 8
-        args = (
-            (table_ptr, tab_ptr, npairs),
-            (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int),
-        )
-        _check(
-            cu.cuLaunchKernel(self._func, gx, gy, 1, THREADS, 1, 1, 0, cu.CUstream(stream), args, 0),
-            "cuLaunchKernel",
-        )
+        hs = cu.CUstream(stream)
+        nbytes = table.nbytes
+        dptr = _check(cu.cuMemAllocAsync(nbytes, hs), "cuMemAllocAsync")
+        try:
+            _check(cu.cuMemcpyHtoDAsync(dptr, table.ctypes.data, nbytes, hs), "cuMemcpyHtoDAsync")
+            if ntiles > 0:
+                gx = min(ntiles, 1 << 30)
+                gy = -(-ntiles // gx)
+                base = int(dptr)
+                args = ((base, base + npairs * NF * 8, npairs), (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int))
+                _check(cu.cuLaunchKernel(self._func, gx, gy, 1, THREADS, 1, 1, 0, hs, args, 0), "cuLaunchKernel")
+        finally:
+            _check(cu.cuMemFreeAsync(dptr, hs), "cuMemFreeAsync")
+        return DriverEvent(self.ctx, hs)
 
-    def upload(self, host: npt.NDArray[np.int64], dptr: int, stream: int) -> None:
-        """Copy the packed table to ``dptr`` on ``stream`` (pageable source: the call returns
-        once the bytes are staged, without waiting for the stream)."""
+
+class DriverEvent:
+    """A CUDA event recorded on a stream; :meth:`query` never blocks (``cuEventQuery``)."""
+
+    def __init__(self, ctx: Any, stream: Any) -> None:
         cu = _driver()
-        _check(cu.cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent")
-        _check(
-            cu.cuMemcpyHtoDAsync(dptr, host.ctypes.data, host.nbytes, cu.CUstream(stream)),
-            "cuMemcpyHtoDAsync",
-        )
+        self._ev: Any = _check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
+        self._ctx = ctx
+        _check(cu.cuEventRecord(self._ev, stream), "cuEventRecord")
+
+    def query(self) -> bool:
+        """True once the work before the event has finished."""
+        if self._ev is None:
+            return True
+        cu = _driver()
+        res = cu.cuEventQuery(self._ev)
+        err = res[0] if isinstance(res, tuple) else res
+        if err == cu.CUresult.CUDA_ERROR_NOT_READY:
+            return False
+        _check(res, "cuEventQuery")  # a launch failure surfaces here
+        self._destroy()
+        return True
+
+    def synchronize(self) -> None:
+        """Block until the work before the event has finished."""
+        if self._ev is not None:
+            _check(_driver().cuEventSynchronize(self._ev), "cuEventSynchronize")
+            self._destroy()
+
+    def _destroy(self) -> None:
+        ev, self._ev = self._ev, None
+        if ev is not None:
+            _driver().cuEventDestroy(ev)
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):  # at interpreter exit the bindings may be gone
+            self._destroy()  # the driver releases a pending event once it completes
 
 
 _kernels: dict[int, RegroupKernel | None] = {}

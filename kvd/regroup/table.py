@@ -21,6 +21,7 @@ Pure numpy, no torch, no I/O. :func:`pair_grid` is cached per plan (weakly).
 
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 from collections.abc import Iterator
@@ -74,6 +75,13 @@ class PairGrid:
 
     def alignment(self, side: Literal["src", "dst"]) -> int:
         """Largest power of two up to 16 dividing the run and every offset on ``side``."""
+        return self._align[0 if side == "src" else 1]
+
+    @functools.cached_property
+    def _align(self) -> tuple[int, int]:
+        return self._alignment("src"), self._alignment("dst")
+
+    def _alignment(self, side: Literal["src", "dst"]) -> int:
         base, strides, table = (
             (self.src_base, self.src_strides, self.src_table)
             if side == "src"
