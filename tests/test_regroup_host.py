@@ -17,10 +17,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvd.plan import KVLayout, Plan, plan
 from kvd.regroup import apply as rg
+from kvd.regroup.plan import KVLayout, Plan, plan
+from kvd.regroup.stager import gather, schedule
 from kvd.regroup.table import chunk_ranges, pair_grid
-from kvd.stager import gather, schedule
 from protocol.layout import TRTLLM_AXIS_ORDER, VLLM_AXIS_ORDER
 from tests.test_plan import SENTINEL, cases, new_pools, write_request
 

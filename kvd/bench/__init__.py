@@ -1,1 +1,1 @@
-"""Benchmark programs (``kvd bench ...``): they print figures; tests never assert timings."""
+"""Benchmark programs (`kvd bench ...`). Nothing in the daemon imports them."""

@@ -1,6 +1,6 @@
 """The regroup kernel alone against a contiguous copy of the same bytes, in the same run.
 
-``kvd bench regroup --device cuda --engine kernel`` (see :mod:`kvd.bench_regroup`) runs
+``kvd bench regroup --device cuda --engine kernel`` (see :mod:`kvd.bench.regroup`) runs
 :func:`run`: GPT-OSS-120B KV geometry (36 layers, 8 KV heads, head_dim 64, bf16, 32 tokens a
 block = 2.25 MiB), ctx TP1 -> gen TP4, request sizes ``--sizes`` (blocks), block ids shuffled
 over pools of ``--pool-blocks`` blocks and contiguous; GPU0 -> GPU1 (the kernel on GPU 0
@@ -11,7 +11,7 @@ destination ranks) and one ``cuMemcpyDtoDAsync`` of the same number of bytes bet
 devices, both on one stream and timed with CUDA events (median of ``--repeats`` after a warm-up,
 interleaved so machine noise hits both alike; the GPU spins for ~1 ms before each so that the
 host's enqueue is not timed), the host time of the regroup call, and a byte
-check against the planner's own fragment copier (:meth:`kvd.plan.Plan.apply`). Then the bounce
+check against the planner's own fragment copier (:meth:`kvd.regroup.plan.Plan.apply`). Then the bounce
 path's halves at the largest size (gather every 64 MiB chunk into staging, scatter them back
 out; one launch a chunk) and a sweep of the kernel's tile size. Prints a table; ``--json``
 prints one JSON object instead.
@@ -28,9 +28,9 @@ from typing import Any
 
 import numpy as np
 
-from kvd.plan import KVLayout, plan
 from kvd.regroup import apply as rg
 from kvd.regroup import kernel
+from kvd.regroup.plan import KVLayout, plan
 
 GPT_OSS_120B: dict[str, Any] = {
     "num_layers": 36,

@@ -1,1 +1,1 @@
-"""Regroup: the planner's output applied to memory (kernel, host twin, torch fallback)."""
+"""Regrouping KV between parallel layouts: the planner and the data movers that apply a plan."""

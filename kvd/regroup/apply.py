@@ -17,7 +17,7 @@ engine="auto") -> Completion``
 
 A pair's *stream* is its runs in the planner's fragment order (:mod:`kvd.regroup.table`);
 :func:`chunk_ranges` cuts every pair's stream into ``(src, dst, index, offset, nbytes)`` chunks,
-the same cuts and staged bytes as :func:`kvd.stager.schedule`, so either side may run any engine.
+the same cuts and staged bytes as :func:`kvd.regroup.stager.schedule`, so either side may run any engine.
 
 Engines (``engine="auto"`` picks): ``"kernel"`` — CUDA memory, the NVRTC kernel
 (:mod:`kvd.regroup.kernel`) on the source GPU (``regroup``, ``gather_chunk``) or the
@@ -38,9 +38,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
-from kvd.plan import Plan
 from kvd.regroup import hostkernel, kernel
 from kvd.regroup.kernel import kernel_available
+from kvd.regroup.plan import Plan
 from kvd.regroup.table import ChunkRange, PairGrid, chunk_ranges, pair_grid, row_tables
 
 if TYPE_CHECKING:
@@ -58,7 +58,7 @@ __all__ = [
 ]
 
 Engine = Literal["auto", "kernel", "torch", "host"]
-#: Bytes per indexed step of the torch path (as kvd.plan.APPLY_STEP_BYTES_CUDA).
+#: Bytes per indexed step of the torch path (as kvd.regroup.plan.APPLY_STEP_BYTES_CUDA).
 TORCH_STEP_BYTES = 256 << 20
 
 
@@ -159,7 +159,7 @@ def _torch_range(grid: PairGrid, src: Any, dst: Any, lo: int, hi: int, *, src_pa
     """The torch path for stream bytes [lo, hi): the host twin's row tables, on the devices."""
     import torch
 
-    from kvd.stager import elem_width, torch_rows
+    from kvd.regroup.stager import elem_width, torch_rows
 
     row = hostkernel.row_bytes(grid, lo, hi, src_packed=src_packed, dst_packed=dst_packed)
     src_u8, dst_u8 = _u8(src), _u8(dst)

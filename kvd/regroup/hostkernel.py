@@ -22,7 +22,7 @@ from kvd.regroup.table import PairGrid, row_tables
 
 __all__ = ["STEP_BYTES", "as_bytes", "copy_range", "row_bytes"]
 
-#: Bytes moved per indexed step (bounds the scratch buffer; see kvd.plan.APPLY_STEP_BYTES for
+#: Bytes moved per indexed step (bounds the scratch buffer; see kvd.regroup.plan.APPLY_STEP_BYTES for
 #: why 16 MiB stays fast on glibc).
 STEP_BYTES = 16 << 20
 #: Largest row considered: big enough that per-row indexing costs nothing next to the copy.

@@ -1,7 +1,7 @@
 """A (src rank, dst rank) pair of a plan as a grid of equal runs: what the regroup kernel and
 its host twin both execute.
 
-The planner (:func:`kvd.plan.plan`) describes a pair's bytes as a *box* (a layer range, a head
+The planner (:func:`kvd.regroup.plan.plan`) describes a pair's bytes as a *box* (a layer range, a head
 range, K/V, every token, the head vector). After the axes that are contiguous on both sides are
 absorbed into one run of ``run`` bytes, the box is a small grid of *digits*: up to four regular
 axes (layer, kv, head, token: a count and a byte stride on each side) and one irregular axis,
@@ -10,10 +10,10 @@ block ids. Run ``j`` of the pair is the mixed-radix number ``j = ((d0 * c1 + d1)
 over the digits, slowest first; its source offset is ``src_base + sum(digit offsets)``, its
 destination offset likewise.
 
-The digits are ordered exactly as :func:`kvd.plan._pair_fragments` enumerates runs (by
+The digits are ordered exactly as :func:`kvd.regroup.plan._pair_fragments` enumerates runs (by
 destination stride, slowest first, the block digit where the destination's block axis sits),
 so the pair's *stream* — its runs back to back, run 0 first — is byte for byte the stream the
-fragment stager (:func:`kvd.stager.schedule`) cuts into bounce chunks: a chunk is the byte
+fragment stager (:func:`kvd.regroup.stager.schedule`) cuts into bounce chunks: a chunk is the byte
 range ``[k * chunk_bytes, (k + 1) * chunk_bytes)`` of that stream in both.
 
 Pure numpy, no torch, no I/O. :func:`pair_grid` is cached per plan (weakly).
@@ -31,7 +31,7 @@ from typing import Literal
 import numpy as np
 import numpy.typing as npt
 
-from kvd.plan import Plan, pool_strides
+from kvd.regroup.plan import Plan, pool_strides
 
 __all__ = ["ChunkRange", "PairGrid", "chunk_ranges", "pair_grid", "row_tables"]
 
@@ -219,7 +219,7 @@ class ChunkRange:
 
 def chunk_ranges(p: Plan, chunk_bytes: int) -> list[ChunkRange]:
     """Every pair's stream cut at multiples of ``chunk_bytes`` (pairs sorted, chunks in stream
-    order): the same cuts, and the same staged bytes, as :func:`kvd.stager.schedule`."""
+    order): the same cuts, and the same staged bytes, as :func:`kvd.regroup.stager.schedule`."""
     if chunk_bytes < 1:
         raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
     out: list[ChunkRange] = []

@@ -21,9 +21,9 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
-from kvd.plan import KVLayout, Plan, plan
 from kvd.regroup import apply as rg
 from kvd.regroup import kernel
+from kvd.regroup.plan import KVLayout, Plan, plan
 from kvd.regroup.table import chunk_ranges, pair_grid
 from tests.test_regroup_host import KINDS, SENTINEL, build, check, sentinel_pools
 
