@@ -54,6 +54,7 @@ __all__ = [
     "compile_cubin",
     "kernel_available",
     "kernel_for",
+    "kernel_ready",
     "pack",
     "reset",
 ]
@@ -328,9 +329,12 @@ class RegroupKernel:
             self.ctx = _primary_context(device)
             self.arch = _arch(device)
             data = cubin(self.arch)
-        _check(cu.cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent")
-        self._module = _check(cu.cuModuleLoadData(data), "cuModuleLoadData")
-        self._func = _check(cu.cuModuleGetFunction(self._module, b"kvd_regroup"), "cuModuleGetFunction")
+        _check(cu.cuCtxPushCurrent(self.ctx), "cuCtxPushCurrent")  # the caller's context is kept
+        try:
+            self._module = _check(cu.cuModuleLoadData(data), "cuModuleLoadData")
+            self._func = _check(cu.cuModuleGetFunction(self._module, b"kvd_regroup"), "cuModuleGetFunction")
+        finally:
+            cu.cuCtxPopCurrent()
         self._peers: dict[int, bool] = {}
         self._lock = threading.Lock()
 
@@ -342,8 +346,11 @@ class RegroupKernel:
                 cu = _driver()
                 try:
                     peer_ctx = _primary_context(peer)
-                    _check(cu.cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent")
-                    res = cu.cuCtxEnablePeerAccess(peer_ctx, 0)
+                    _check(cu.cuCtxPushCurrent(self.ctx), "cuCtxPushCurrent")
+                    try:
+                        res = cu.cuCtxEnablePeerAccess(peer_ctx, 0)
+                    finally:
+                        cu.cuCtxPopCurrent()
                     err = res[0] if isinstance(res, tuple) else res
                     ok = err in (
                         cu.CUresult.CUDA_SUCCESS,
@@ -366,8 +373,14 @@ class RegroupKernel:
         on the same stream; returns an event recorded after the launch. Plain driver calls: a
         few microseconds of host time in all."""
         cu = _driver()
-        _check(cu.cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent")
         hs = cu.CUstream(stream)
+        _check(cu.cuCtxPushCurrent(self.ctx), "cuCtxPushCurrent")
+        try:
+            return self._enqueue(cu, table, npairs, ntiles, hs)
+        finally:
+            cu.cuCtxPopCurrent()
+
+    def _enqueue(self, cu: Any, table: npt.NDArray[np.int64], npairs: int, ntiles: int, hs: Any) -> DriverEvent:
         nbytes = table.nbytes
         dptr = _check(cu.cuMemAllocAsync(nbytes, hs), "cuMemAllocAsync")
         try:
@@ -447,6 +460,13 @@ def kernel_for(device: int) -> RegroupKernel | None:
                         fallback="torch")
         _kernels[device] = kernel
         return kernel
+
+
+def kernel_ready(device: int) -> bool | None:
+    """The verdict for ``device`` if it was reached already (True / False), else None: lets
+    an event loop skip a worker-thread hop once the kernel is loaded."""
+    k = _kernels.get(device, False)
+    return None if k is False else k is not None
 
 
 def kernel_available(device: int) -> bool:
