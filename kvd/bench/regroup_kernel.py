@@ -4,7 +4,8 @@
 :func:`run`: GPT-OSS-120B KV geometry (36 layers, 8 KV heads, head_dim 64, bf16, 32 tokens a
 block = 2.25 MiB), ctx TP1 -> gen TP4, request sizes ``--sizes`` (blocks), block ids shuffled
 over pools of ``--pool-blocks`` blocks and contiguous; GPU0 -> GPU1 (the kernel on GPU 0
-storing into GPU 1's pools: the mapped path's push) where two GPUs exist, and on one GPU.
+storing into GPU 1's pools: the mapped path's push), the same launched on GPU 1 loading from
+GPU 0 (pull: what the daemon does for CUDA IPC mappings) where two GPUs exist, and on one GPU.
 
 Per point: ONE :func:`kvd.regroup.apply.regroup` call (table upload + one launch for the four
 destination ranks) and one ``cuMemcpyDtoDAsync`` of the same number of bytes between the same
@@ -24,7 +25,7 @@ import functools
 import statistics
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -69,14 +70,17 @@ def _events_median(stream: Any, fns: dict[str, Callable[[], Any]], repeats: int)
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def _timed_regroup(p: Any, src: Any, dst: dict[int, Any], stream: Any, host: list[float]) -> None:
+def _timed_regroup(p: Any, src: Any, dst: dict[int, Any], stream: Any, host: list[float], where: Any) -> None:
     t = time.perf_counter()
-    rg.regroup(p, 0, src, dst, stream=stream, engine="kernel")
+    rg.regroup(p, 0, src, dst, stream=stream, engine="kernel", launch_on=where)
     host.append(time.perf_counter() - t)
 
 
 def _copy(cu: Any, dst: int, src: int, nbytes: int, stream: Any) -> None:
-    r = cu.cuMemcpyDtoDAsync(dst, src, nbytes, stream.cuda_stream)
+    import torch
+
+    with torch.cuda.device(stream.device):  # the stream's context current for the driver call
+        r = cu.cuMemcpyDtoDAsync(dst, src, nbytes, stream.cuda_stream)
     if r[0] != cu.CUresult.CUDA_SUCCESS:
         raise RuntimeError(f"cuMemcpyDtoDAsync: {r[0]}")
 
@@ -93,12 +97,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     load_s = time.perf_counter() - t0
     if k0 is None:
         raise SystemExit("the regroup kernel is unavailable here (see the regroup.kernel_unavailable warning)")
-    places = [(0, 1), (0, 0)] if torch.cuda.device_count() >= 2 else [(0, 0)]
+    # (source GPU, destination GPU, where the kernel runs): push, pull, one GPU
+    places: list[tuple[int, int, Literal["src", "dst"]]] = [(0, 0, "src")]
+    if torch.cuda.device_count() >= 2:
+        places = [(0, 1, "src"), (0, 1, "dst"), (0, 0, "src")]
     ctx = KVLayout(**GPT_OSS_120B, num_blocks=pool_blocks)
     gen = KVLayout(**GPT_OSS_120B, tp_size=args.gen_tp, num_blocks=pool_blocks)
     rng = np.random.default_rng(args.seed)
     src = torch.randint(0, 256, (ctx.pool_bytes(0),), dtype=torch.uint8, device="cuda:0")
-    stream = torch.cuda.Stream("cuda:0")  # type: ignore[no-untyped-call]
     nmax = max(sizes) * ctx.block_bytes(0)
     flat_src = torch.empty(nmax, dtype=torch.uint8, device="cuda:0")
     out: dict[str, Any] = {
@@ -112,9 +118,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "repeats": args.repeats,
         "points": [],
     }
-    for sdev, ddev in places:
+    for sdev, ddev, where in places:
+        run_dev = sdev if where == "src" else ddev
+        kr = kernel.kernel_for(run_dev)
+        assert kr is not None
         if ddev != sdev:
-            k0.enable_peer(ddev)
+            kr.enable_peer(sdev if where == "dst" else ddev)
+        stream = torch.cuda.Stream(f"cuda:{run_dev}")  # type: ignore[no-untyped-call]
         dst = {r: torch.zeros(gen.pool_bytes(r), dtype=torch.uint8, device=f"cuda:{ddev}") for r in range(gen.world_size)}
         ref = {r: torch.zeros_like(t) for r, t in dst.items()}
         flat_dst = torch.empty(nmax, dtype=torch.uint8, device=f"cuda:{ddev}")
@@ -130,7 +140,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 p = plan(ctx, gen, cb, gb)
                 nbytes = p.total_bytes()
                 host: list[float] = []
-                regroup = functools.partial(_timed_regroup, p, src, dst, stream, host)
+                regroup = functools.partial(_timed_regroup, p, src, dst, stream, host, where)
                 contiguous = functools.partial(_copy, cu, flat_dst.data_ptr(), flat_src.data_ptr(), nbytes, stream)
                 t = _events_median(stream, {"kernel": regroup, "copy": contiguous}, args.repeats)
                 for d in dst.values():
@@ -138,22 +148,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 for d in ref.values():
                     d.zero_()
                 torch.cuda.synchronize(ddev)
-                rg.regroup(p, 0, src, dst, stream=stream).wait()
+                rg.regroup(p, 0, src, dst, stream=stream, launch_on=where).wait()
                 p.apply({0: src}, ref)
                 torch.cuda.synchronize(ddev)
                 ok = all(torch.equal(dst[r], ref[r]) for r in dst)
                 out["points"].append({
-                    "place": f"cuda:{sdev}->cuda:{ddev}", "ids": ids, "blocks": n, "bytes": nbytes,
+                    "place": f"cuda:{sdev}->cuda:{ddev}" + (" pull" if where == "dst" else ""), "ids": ids, "blocks": n, "bytes": nbytes,
                     "kernel_gbps": nbytes / t["kernel"] / 1e9, "copy_gbps": nbytes / t["copy"] / 1e9,
                     "ratio": t["copy"] / t["kernel"], "kernel_us": t["kernel"] * 1e6,
                     "host_us": statistics.median(host) * 1e6, "check_ok": ok,
                 })  # fmt: skip
-        if (sdev, ddev) == places[0]:
+        if (sdev, ddev, where) == places[0]:
             out["tiles"] = _tile_sweep(args, ctx, gen, pool_blocks, src, dst, stream, rng, max(sizes))
         dst.clear()
         ref.clear()
         torch.cuda.empty_cache()
-    out["bounce"] = _bounce(args, ctx, gen, pool_blocks, src, stream, rng, max(sizes))
+    out["bounce"] = _bounce(args, ctx, gen, pool_blocks, src, torch.cuda.Stream("cuda:0"), rng, max(sizes))  # type: ignore[no-untyped-call]
     out["check_ok"] = all(pt["check_ok"] for pt in out["points"]) and out["bounce"]["check_ok"]
     return out
 

@@ -50,6 +50,7 @@ __all__ = [
     "ChunkRange",
     "Completion",
     "Engine",
+    "LaunchOn",
     "chunk_ranges",
     "gather_chunk",
     "kernel_available",
@@ -58,6 +59,8 @@ __all__ = [
 ]
 
 Engine = Literal["auto", "kernel", "torch", "host"]
+#: Where :func:`regroup` launches: the source GPU (push) or each destination GPU (pull).
+LaunchOn = Literal["src", "dst"]
 #: Bytes per indexed step of the torch path (as kvd.regroup.plan.APPLY_STEP_BYTES_CUDA).
 TORCH_STEP_BYTES = 256 << 20
 
@@ -229,16 +232,39 @@ def regroup(
     stream: Any = None,
     engine: Engine = "auto",
     tile_bytes: int = kernel.TILE_BYTES,
+    launch_on: LaunchOn = "src",
 ) -> Completion:
     """Move every pair ``(src_rank, d)`` of ``plan`` from ``src_pool`` into ``dst_pools[d]``
     (pools as flat bytes, laid out as the plan's layouts say). Ranks of ``dst_pools`` that the
-    source rank does not feed are ignored; a fed rank missing from it is a ``KeyError``."""
+    source rank does not feed are ignored; a fed rank missing from it is a ``KeyError``.
+
+    ``launch_on="src"``: one launch on the source GPU storing into the destinations (push);
+    ``"dst"``: one launch per destination GPU loading from the source (pull), each on that
+    GPU's current stream, or ``stream`` for the launch on ``stream``'s own GPU. Pull is for
+    destinations this process mapped by CUDA IPC on their own GPU: such a mapping belongs to
+    that GPU's context, and another GPU's kernel cannot address it (measured:
+    ``CUDA_ERROR_ILLEGAL_ADDRESS``), while the source pool, plain device memory, is reachable
+    from any peer GPU."""
     dsts = [d for s, d in plan.pairs() if s == src_rank]
     grids = _grids(plan, src_rank, dsts)
     items = [(g, src_pool, dst_pools[g.dst], 0, g.nbytes, False, False) for g in grids]
-    dev = src_pool.device.index if _is_cuda(src_pool) else None
-    eng = _pick(engine, [src_pool, *(dst_pools[g.dst] for g in grids)], dev)
-    return _run_pairs(eng, items, dev, stream, tile_bytes)
+    src_dev = src_pool.device.index if _is_cuda(src_pool) else None
+    if launch_on == "src" or src_dev is None or not items:
+        eng = _pick(engine, [src_pool, *(dst_pools[g.dst] for g in grids)], src_dev)
+        return _run_pairs(eng, items, src_dev, stream, tile_bytes)
+    by_dev: dict[int, list[tuple[PairGrid, Any, Any, int, int, bool, bool]]] = {}
+    for it in items:
+        dst = it[2]
+        if not _is_cuda(dst):
+            raise ValueError("launch_on='dst' needs CUDA destination pools")
+        by_dev.setdefault(dst.device.index, []).append(it)
+    parts = [
+        _run_pairs(_pick(engine, [src_pool, *(it[2] for it in its)], dev), its, dev,
+                   stream if stream is not None and stream.device.index == dev else None, tile_bytes)
+        for dev, its in sorted(by_dev.items())
+    ]
+    return Completion(parts[0].engine if len({c.engine for c in parts}) == 1 else "mixed",
+                      sum(c.nbytes for c in parts), [e for c in parts for e in c._events])
 
 
 def _chunk(

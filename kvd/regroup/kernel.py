@@ -68,6 +68,8 @@ ENV_SWITCH = "KVD_KERNEL"
 THREADS = 256
 #: Default bytes per tile (one thread block).
 TILE_BYTES = 16 << 10
+#: Bytes of launch tables a device's table pool keeps between launches.
+TABLE_POOL_KEEP = 64 << 20
 
 # Descriptor fields (int64 each), one record of NF per pair.
 NF = 36
@@ -337,6 +339,25 @@ class RegroupKernel:
             cu.cuCtxPopCurrent()
         self._peers: dict[int, bool] = {}
         self._lock = threading.Lock()
+        self._pool = self._table_pool(cu, device)
+
+    @staticmethod
+    def _table_pool(cu: Any, device: int) -> Any:
+        """A stream-ordered memory pool of our own for launch tables that keeps what it has
+        (the default pool releases its memory at every synchronisation, and growing it again
+        cost ~0.4 ms of host time per launch on H200)."""
+        props = cu.CUmemPoolProps()
+        props.allocType = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+        props.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        props.location.id = device
+        pool = _check(cu.cuMemPoolCreate(props), "cuMemPoolCreate")
+        _check(
+            cu.cuMemPoolSetAttribute(
+                pool, cu.CUmemPool_attribute.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, cu.cuuint64_t(TABLE_POOL_KEEP)
+            ),
+            "cuMemPoolSetAttribute",
+        )
+        return pool
 
     def enable_peer(self, peer: int) -> bool:
         """Let this device's kernels address ``peer``'s cudaMalloc memory (once per peer)."""
@@ -368,7 +389,7 @@ class RegroupKernel:
     def run(self, table: npt.NDArray[np.int64], npairs: int, ntiles: int, stream: int) -> DriverEvent:
         """Enqueue one launch on the CUDA stream handle ``stream`` (an int, as torch's
         ``Stream.cuda_stream``): the table goes to stream-ordered device memory
-        (``cuMemAllocAsync``, one host-to-device copy from pageable memory, which returns once
+        (``cuMemAllocFromPoolAsync`` from a pool of our own, one host-to-device copy from pageable memory, which returns once
         the bytes are staged), the kernel runs over ``ntiles`` tiles, the table is freed after it
         on the same stream; returns an event recorded after the launch. Plain driver calls: a
         few microseconds of host time in all."""
@@ -382,7 +403,7 @@ class RegroupKernel:
 
     def _enqueue(self, cu: Any, table: npt.NDArray[np.int64], npairs: int, ntiles: int, hs: Any) -> DriverEvent:
         nbytes = table.nbytes
-        dptr = _check(cu.cuMemAllocAsync(nbytes, hs), "cuMemAllocAsync")
+        dptr = _check(cu.cuMemAllocFromPoolAsync(nbytes, self._pool, hs), "cuMemAllocFromPoolAsync")
         try:
             _check(cu.cuMemcpyHtoDAsync(dptr, table.ctypes.data, nbytes, hs), "cuMemcpyHtoDAsync")
             if ntiles > 0:

@@ -537,8 +537,9 @@ class Engine:
         """Regroup straight into the peer's pools, mapped here (same node): no NIXL, no bounce."""
         side.state = "copying"
         src_any = next(iter(side.parts.values())).pool
-        if src_any.device >= 0 and await self._kernel_reaches(src_any.device, mapped):
-            await self._copy_mapped_kernel(side, p, mapped)
+        where = await self._kernel_launch_side(side, mapped) if src_any.device >= 0 else None
+        if where is not None:
+            await self._copy_mapped_kernel(side, p, mapped, where)
             return
         if src_any.device >= 0 and boxbounce.fits(p, self.cfg.gpu_chunk_mb << 20):  # boxes: 3 kernels a chunk
             from kvd.regroup.gpu_pipeline import pipelined_box_regroup
@@ -577,29 +578,49 @@ class Engine:
             side.bytes_done += p.total_bytes(s, d)
             side.chunks_done += 1
 
-    async def _kernel_reaches(self, device: int, mapped: dict[int, Any]) -> bool:
-        """Whether the regroup kernel runs on ``device`` and can store into every mapped pool:
-        pools on the same GPU, or CUDA IPC mappings (opened with lazy peer access). VMM
-        mappings (posix_fd, fabric) grant access to their own GPU only, so they keep the
-        torch path. The first call per device compiles or loads the kernel off the event loop."""
+    async def _kernel_launch_side(self, side: Side, mapped: dict[int, Any]) -> Literal["src", "dst"] | None:
+        """Where the regroup kernel runs for a mapped copy, or None when it cannot: on the
+        source GPU when every mapped pool is on it; on each destination GPU (pull) when the
+        mapped pools are CUDA IPC mappings on other GPUs (such a mapping is only addressable
+        from its own GPU's context) and the source pools are plain device memory (reachable
+        from peer GPUs). VMM mappings (posix_fd, fabric) elsewhere keep the torch path. The
+        first call per device compiles or loads the kernel off the event loop."""
         from kvd.regroup import kernel as regroup_kernel
 
-        if not all(m.device == device or m.handle_kind == "cuda_ipc" for m in mapped.values()):
-            return False
-        ready = regroup_kernel.kernel_ready(device)
-        if ready is None:
-            ready = await trio.to_thread.run_sync(regroup_kernel.kernel_available, device)
-        return ready
+        pools = [part.pool for part in side.parts.values()]
+        devices = {pool.device for pool in pools}
+        if len(devices) != 1 or min(devices) < 0:
+            return None
+        (src_dev,) = devices
+        where: Literal["src", "dst"]
+        if all(mp.device == src_dev for mp in mapped.values()):
+            where, need = "src", {src_dev}
+        elif all(mp.handle_kind == "cuda_ipc" for mp in mapped.values()) and all(
+            pool.kind == "device" for pool in pools
+        ):
+            where, need = "dst", {mp.device for mp in mapped.values()}
+        else:
+            return None
+        for dev in sorted(need):
+            ready = regroup_kernel.kernel_ready(dev)
+            if ready is None:
+                ready = await trio.to_thread.run_sync(regroup_kernel.kernel_available, dev)
+            if not ready:
+                return None
+        return where
 
-    async def _copy_mapped_kernel(self, side: Side, p: Plan, mapped: dict[int, Any]) -> None:
-        """One regroup kernel launch per source rank, storing straight into the mapped pools
-        (peer GPUs over NVLink); completion by CUDA event, polled without blocking the loop."""
+    async def _copy_mapped_kernel(self, side: Side, p: Plan, mapped: dict[int, Any],
+                                  where: Literal["src", "dst"]) -> None:
+        """Regroup kernel launches straight into the mapped pools (peer GPUs over NVLink), one
+        per source rank (and destination GPU when pulling); completion by CUDA event, polled
+        without blocking the loop."""
         from kvd.regroup import apply as regroup_apply
 
         t0 = time.perf_counter()
         dst = {r: mp.raw for r, mp in mapped.items()}
         launched = [
-            regroup_apply.regroup(p, s, side.parts[s].pool.tensor_u8(), dst, engine="kernel") for s in p.src_ranks()
+            regroup_apply.regroup(p, s, side.parts[s].pool.tensor_u8(), dst, engine="kernel", launch_on=where)
+            for s in p.src_ranks()
         ]
         side.chunks_total = len(launched)
         t1 = time.perf_counter()
@@ -609,7 +630,7 @@ class Engine:
             side.bytes_done += c.nbytes
             side.chunks_done += 1
         side.stages.update({"gpu_enqueue_s": round(t1 - t0, 6), "gpu_wait_s": round(time.perf_counter() - t1, 6),
-                            "gpu_kernel_launches": len(launched)})
+                            "gpu_kernel_launches": len(launched), "gpu_kernel_pull": int(where == "dst")})
 
     async def _send_fragments(
         self, side: Side, link: PeerLink, p: Plan, accept: x.XferAccept, *, per_fragment: bool = False

@@ -33,7 +33,10 @@ pytestmark = [
 ]
 
 TWO_GPUS = torch.cuda.is_available() and torch.cuda.device_count() >= 2
-PLACES = ["cuda:0>cuda:0", pytest.param("cuda:0>cuda:1", marks=pytest.mark.skipif(not TWO_GPUS, reason="needs 2 GPUs"))]
+TWO = pytest.mark.skipif(not TWO_GPUS, reason="needs 2 GPUs")
+PLACES = ["cuda:0>cuda:0", pytest.param("cuda:0>cuda:1", marks=TWO)]
+#: pool -> pool also pulled: launched on the destination GPU, loading from the source GPU
+POOL_PLACES = [*PLACES, pytest.param("cuda:0>cuda:1>pull", marks=TWO)]
 
 
 @pytest.fixture(autouse=True)
@@ -57,17 +60,18 @@ def test_kernel_compiles_and_loads_on_every_gpu() -> None:
         assert k.arch.startswith("sm_")
 
 
-@pytest.mark.parametrize("place", PLACES)
+@pytest.mark.parametrize("place", POOL_PLACES)
 @pytest.mark.parametrize("tile_bytes", [256, kernel.TILE_BYTES])
 @pytest.mark.parametrize("kind", sorted(KINDS))
 def test_kernel_pool_to_pool(kind: str, tile_bytes: int, place: str) -> None:
-    sdev, ddev = place.split(">")
+    sdev, ddev, *pull = place.split(">")
+    where: rg.LaunchOn = "dst" if pull else "src"
     p, src, want = build(kind, seed=2)
     src_t = to_dev(src, sdev)
     dst_t = to_dev(sentinel_pools(p), ddev)
-    stream = torch.cuda.Stream(sdev)  # type: ignore[no-untyped-call]
+    stream = torch.cuda.Stream(ddev if pull else sdev)  # type: ignore[no-untyped-call]
     for s in p.src_ranks():
-        c = rg.regroup(p, s, src_t[s], dst_t, stream=stream, engine="kernel", tile_bytes=tile_bytes)
+        c = rg.regroup(p, s, src_t[s], dst_t, stream=stream, engine="kernel", tile_bytes=tile_bytes, launch_on=where)
         assert c.engine == "kernel" and c.nbytes == p.total_bytes(s=s)
         c.wait()
         assert c.done()
