@@ -335,9 +335,12 @@ def test_history_is_a_bounded_ring() -> None:
     assert [t.request_id for t in merged[1:]] == [f"r{i}" for i in range(44, HISTORY_SIZE + 44)]
     assert merged[-1].state == "failed" and merged[-1].error == "[peer_unavailable] link lost"
     assert merged[-2].state == "done" and merged[-2].bytes_done == HISTORY_SIZE + 42
-    # a finished side the engine still holds is listed once, as recorded
-    still_held = msgspec.structs.replace(merged[-1], state="failed", duration_s=99.0)
+    # a finished side the engine still holds is listed once, as recorded (whatever its live
+    # started_s or duration say); one still running with a recorded id is listed as well
+    still_held = msgspec.structs.replace(merged[-1], state="failed", duration_s=99.0, started_s=5.0)
     assert ring.merged([still_held]) == merged[1:]
+    rerun = msgspec.structs.replace(merged[-1], state="streaming")
+    assert ring.merged([rerun]) == [rerun, *merged[1:]]
 
 
 @pytest.fixture(scope="module")

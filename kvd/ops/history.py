@@ -17,6 +17,8 @@ from protocol import messages as m
 #: Finished transfer sides kept for ``kvctl transfers``.
 HISTORY_SIZE = 256
 
+_FINISHED = ("done", "failed")
+
 
 class TransferHistory:
     """A ring of finished transfer sides."""
@@ -40,10 +42,12 @@ class TransferHistory:
 
     def merged(self, live: list[m.TransferInfo]) -> list[m.TransferInfo]:
         """The engine's sides still in progress, then every finished side kept here (newest
-        last; a finished side the engine still holds is shown once, as recorded here)."""
-        finished = {(t.request_id, t.role, t.started_s) for t in self._ring}
-        running = [t for t in live if (t.request_id, t.role, t.started_s) not in finished]
-        return [*running, *self._ring]
+        last). A finished side the engine still holds (not collected by ``wait`` yet) was
+        recorded here when it finished, so it is shown once, as recorded; a request id cannot
+        run again while its finished side is held, so (request id, role) identifies it."""
+        recorded = {(t.request_id, t.role) for t in self._ring}
+        shown = [t for t in live if t.state not in _FINISHED or (t.request_id, t.role) not in recorded]
+        return [*shown, *self._ring]
 
     def __len__(self) -> int:
         return len(self._ring)
