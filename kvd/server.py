@@ -61,6 +61,9 @@ async def _sample_gauges(daemon: Daemon) -> None:
 
 #: How often the drain refreshes its ``STATUS=`` line (what it still waits for).
 DRAIN_STATUS_S = 1.0
+#: After the transfers: how long pending Waits may take to deliver their completions.
+DRAIN_REPLY_GRACE_S = 1.0
+DRAIN_REPLY_POLL_S = 0.01
 
 
 async def _drain(daemon: Daemon, engine: Engine, notifier: Notifier) -> None:
@@ -80,6 +83,11 @@ async def _drain(daemon: Daemon, engine: Engine, notifier: Notifier) -> None:
             with trio.move_on_after(DRAIN_STATUS_S):
                 await engine.wait_idle()
     left_over = engine.inflight()
+    # Executors blocked in Wait get their completions before the sessions close (bounded: a
+    # Wait for a request that never started does not hold the stop beyond the grace).
+    with trio.move_on_at(min(deadline, trio.current_time() + DRAIN_REPLY_GRACE_S)):
+        while any(s.inflight for s in daemon.sessions.values()):
+            await trio.sleep(DRAIN_REPLY_POLL_S)
     if left_over:
         log.warning(
             "daemon.drain_timeout",

@@ -7,9 +7,9 @@ loop instead:
 
 - logs one warning (rate-limited, :class:`~kvd.ops.throttle.Throttle`) and backs off
   exponentially (``BACKOFF_MIN_S`` .. ``BACKOFF_MAX_S``), resetting once an accept succeeds;
-- keeps one spare descriptor: at the limit it frees it, accepts the waiting connection and
-  closes it at once (after ``on_overflow`` had a chance to say why), so clients get an
-  answer instead of hanging, then takes the spare back.
+- keeps one spare descriptor: at the limit it frees it, accepts the waiting connection with
+  it and closes it at once (after ``on_overflow`` had a chance to say why), so clients get an
+  answer instead of hanging, then takes the spare back and tries a normal accept again.
 
 Handlers run in a nursery the caller passes in, so the caller can stop accepting (cancel the
 loop) without cancelling the connections already being served (a drain).
@@ -75,13 +75,17 @@ async def accept_loop(
                     os.close(spare)
                     spare = None
                     shed = _shed_one(listener, on_overflow)
-                    spare = _spare_fd()
-                _throttle.warning("listener.fd_limit",
+                spare = _spare_fd()  # None while we are still at the limit: retried next time
+                _throttle.warning(
+                    "listener.fd_limit",
                     listener=what,
                     error=exc.strerror or str(exc),
-                    retry_in_s=backoff,
                     shed_connection=shed,
+                    retry_in_s=0 if shed else backoff,
                 )
+                if shed:  # progress: try the next one at once (a normal accept if fds are free)
+                    await trio.lowlevel.checkpoint()
+                    continue
                 await trio.sleep(backoff)
                 backoff = min(BACKOFF_MAX_S, backoff * 2)
                 continue
@@ -93,13 +97,17 @@ async def accept_loop(
 
 
 def _shed_one(listener: trio.SocketListener, on_overflow: Callable[[socket.socket], None] | None) -> bool:
-    """Accept one waiting connection with the freed spare descriptor and close it."""
+    """Accept one waiting connection with the freed spare descriptor and close it at once.
+
+    One at a time: the next accept is a normal one, so once descriptors are free again no
+    further client is shed.
+    """
     # a stdlib view of the listening descriptor (no new fd; detached, not closed, below)
     view = socket.socket(fileno=listener.socket.fileno())
     try:
         view.setblocking(False)  # trio's listener is non-blocking already; say so to Python
         sock, _addr = view.accept()
-    except OSError:
+    except OSError:  # none waiting any more (EAGAIN), or still no descriptor
         return False
     finally:
         view.detach()
