@@ -190,7 +190,7 @@ class PeerLinks:
             return
         self.pending += 1
         try:
-            conn = await accept_peer(stream, node=self.config.node, secret=self.secret, welcome=self.welcome(),
+            conn = await accept_peer(stream, node=self.config.node, secret=self.secret, welcome=self.welcome,
                                      handshake_timeout=limits.handshake_timeout_s,
                                      max_frame_size=limits.max_frame_size)
         except (AuthFailed, VersionMismatch):
