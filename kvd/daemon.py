@@ -21,7 +21,7 @@ import trio
 
 from kvd.config import Config, LimitsConfig, config_to_json
 from protocol import messages as m
-from protocol.errors import BadRequest, Draining, LimitExceeded, NotFound
+from protocol.errors import BadRequest, Draining, LimitExceeded, NotFound, PermissionDenied
 from protocol.limits import MAX_DEADLINE_S
 
 if TYPE_CHECKING:
@@ -177,6 +177,9 @@ class Daemon:
         if isinstance(msg, m.GetConfig):
             return m.ConfigReply(id=msg.id, config_json=config_to_json(self.config)), []
         if isinstance(msg, m.Drain):
+            # sessions answer Drain themselves (kvd.executor.session); this path keeps the same rule
+            if not session.operator:
+                raise PermissionDenied(f"drain needs an operator: {self.access.operator_rule()}")
             self.request_stop("drain requested by client", session)
             return m.Ok(id=msg.id), []
         if isinstance(msg, m.AttachPool):
