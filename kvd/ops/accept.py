@@ -66,7 +66,9 @@ async def accept_loop(
     try:
         while True:
             try:
-                sock, _addr = await listener.socket.accept()
+                # SocketListener.accept skips the errors of a connection that died before we
+                # took it (ECONNABORTED, EPROTO, ...); what is left is ours to handle
+                stream = await listener.accept()
             except OSError as exc:
                 if exc.errno not in CAPACITY_ERRNOS:
                     raise
@@ -90,7 +92,7 @@ async def accept_loop(
                 backoff = min(BACKOFF_MAX_S, backoff * 2)
                 continue
             backoff = BACKOFF_MIN_S
-            handler_nursery.start_soon(handler, trio.SocketStream(sock))
+            handler_nursery.start_soon(handler, stream)
     finally:
         if spare is not None:
             os.close(spare)
