@@ -248,6 +248,14 @@ async def _refuse(conn: PeerConnection, err: KvdError) -> None:
             await conn.send(PeerError(code=err.code, message=err.message))
 
 
+#: Why a handshake MAC failed, and what to do: the operator reading ``kvctl peers`` or the log on
+#: either side cannot tell which daemon has the "wrong" secret, only that the two differ.
+_MAC_MISMATCH = (
+    "its MAC does not match our secret (the two daemons read different secrets: give every daemon "
+    "of the deployment the same peer_secret_file content)"
+)
+
+
 def _auth_failed(conn: PeerConnection, side: str, reason: str, node: str = "") -> AuthFailed:
     log.warning(
         "peer.auth_failed", remote=conn.remote_addr, node=node or conn.remote_node, side=side, reason=reason
@@ -322,7 +330,7 @@ async def handshake_client(
                 server_nonce=ch.nonce,
             )
             if not verify_mac(expected, ch.mac):
-                fail = _auth_failed(conn, "client", "its MAC does not match our secret", ch.node)
+                fail = _auth_failed(conn, "client", _MAC_MISMATCH, ch.node)
                 await _refuse(conn, fail)
                 raise fail
             if ch.node == node:
@@ -424,7 +432,7 @@ async def handshake_server(
                     conn, "server", f"the peer refused us: {exc.message}", hello.node
                 ) from None
             if not verify_mac(handshake_mac(secret, "client", **args), auth.mac):
-                fail = _auth_failed(conn, "server", "its MAC does not match our secret", hello.node)
+                fail = _auth_failed(conn, "server", _MAC_MISMATCH, hello.node)
                 await _refuse(conn, fail)
                 raise fail
             conn.remote_node = hello.node
