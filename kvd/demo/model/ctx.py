@@ -27,7 +27,7 @@ import torch
 from clients.blocking import Client
 from kvd.demo.model import control as c
 from kvd.demo.model.paged import PagedKV, blocks_for, pool_layout
-from kvd.demo.model.transformer import ModelConfig, Segment, TPDecoder, full_weights
+from kvd.demo.model.transformer import ModelConfig, Segment, TPDecoder, full_weights, warm_up
 from kvd.mapping.views import torch_dtype
 from protocol.messages import Completion
 
@@ -69,6 +69,7 @@ def _run(conn: Connection, spec: CtxSpec) -> None:
         device = pool.tensor.device
         model = TPDecoder(spec.model, full_weights(spec.model), device=device, dtype=torch_dtype(spec.dtype))
         cache = PagedKV(pool.tensor, layout, rank=0)
+        warm_up(model)
         conn.send(c.Ready("ctx0"))
         msg = conn.recv()
         if not isinstance(msg, c.Start):

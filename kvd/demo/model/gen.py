@@ -34,7 +34,7 @@ from clients.blocking import Client
 from kvd.demo.model import control as c
 from kvd.demo.model.ctx import completion_info, sync
 from kvd.demo.model.paged import PagedKV, blocks_for, pool_layout
-from kvd.demo.model.transformer import ModelConfig, Segment, TPDecoder, full_weights
+from kvd.demo.model.transformer import ModelConfig, Segment, TPDecoder, full_weights, warm_up
 from kvd.mapping.views import torch_dtype
 
 
@@ -75,12 +75,14 @@ def _run(conn: Connection, spec: GenSpec) -> None:
         if device.type == "cuda":
             torch.cuda.set_device(device)  # NCCL binds the rank to the current device
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the TP group talks over loopback only
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # a few small all-reduces need no NVLink multicast
         dist.init_process_group(spec.backend, init_method=f"file://{spec.dist_file}", rank=spec.rank,
                                 world_size=spec.tp_size)
         try:
             model = TPDecoder(spec.model, full_weights(spec.model), tp_rank=spec.rank, tp_size=spec.tp_size,
                               device=device, dtype=torch_dtype(spec.dtype), all_reduce=_all_reduce)
             cache = PagedKV(pool.tensor, layout, rank=spec.rank)
+            warm_up(model)
             conn.send(c.Ready(name))
             if not isinstance(msg := conn.recv(), c.Start):
                 raise RuntimeError(f"{name}: expected Start, got {type(msg).__name__}")

@@ -241,32 +241,32 @@ def print_report(report: DemoReport) -> None:
     gen0 = report.gens["gen0"]
     table = Table(title=f"kvd demo --model: ctx TP1 -> gen TP{o.gen_tp}, {o.device} pools ({o.dtype}), "
                         f"{o.order}, two daemons on loopback")
-    table.caption = ("xfer ms: the transfer as the ctx daemon timed it; gen ms: the slowest gen rank's; "
-                     "1st: the token the prefill produced")
-    for col in ("request", "prompt", "prefill ms", "blocks", "path", "KiB", "xfer ms", "gen ms", "1st"):
+    table.caption = ("xfer ms: the transfer as the gen daemon timed it (slowest rank); ctx ms: the ctx side's "
+                     "completion, from publish (so it includes waiting for gen to expect); 1st: the prefill's token")
+    for col in ("request", "prompt", "prefill ms", "blocks", "path", "KiB", "xfer ms", "ctx ms", "1st"):
         table.add_column(col)
     for p in report.prompts:
         rid = p.request_id
         done = report.ctx_done.completions[rid]
-        gen_ms = max(g.completions[rid].duration_s for g in report.gens.values()) * 1e3
+        xfer_ms = max(g.completions[rid].duration_s for g in report.gens.values()) * 1e3
         path = done.path + (f" ({done.fallback})" if done.fallback else "")
         table.add_row(rid, str(len(p.tokens)), f"{report.published.prefill_s[rid] * 1e3:.1f}",
-                      str(report.published.blocks[rid]), path, f"{done.bytes / 1024:.0f}",
-                      f"{done.duration_s * 1e3:.2f}", f"{gen_ms:.2f}", str(report.published.first_tokens[rid]))
+                      str(report.published.blocks[rid]), path, f"{done.bytes / 1024:.0f}", f"{xfer_ms:.2f}",
+                      f"{done.duration_s * 1e3:.2f}", str(report.published.first_tokens[rid]))
     console = Console()
     console.print(table)
     tokens = len(report.prompts) * o.new_tokens
     rate = tokens / gen0.decode_s if gen0.decode_s else 0.0
     console.print(f"decode: {len(report.prompts)} requests x {o.new_tokens} tokens, batched, on gen TP{o.gen_tp} "
-                  f"({gen0.backend}, {gen0.device}): {gen0.decode_s:.3f} s, {rate:.1f} tokens/s")
+                  f"({gen0.backend}, {gen0.device}): {gen0.decode_s:.3f} s, {rate:.1f} tokens/s", soft_wrap=True)
     console.print(f"max |logit - reference| = {report.comparison.max_logit_diff:.3g} "
-                  f"(tolerance {report.tolerance:g})")
+                  f"(tolerance {report.tolerance:g})", soft_wrap=True)
     if report.token_identical:
         console.print("[green]token-identical[/green] with the single-process reference")
     else:
         console.print("[red]MISMATCH[/red] with the single-process reference:")
         for line in report.comparison.mismatches:
-            console.print(f"  {line}")
+            console.print(f"  {line}", soft_wrap=True)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -244,6 +244,17 @@ class TPDecoder:
         return h @ self.lm_head.T
 
 
+def warm_up(model: TPDecoder) -> None:
+    """One prefill and one decode step on a scratch cache (not the pool), so the first request's
+    timings leave out one-time setup: CUDA kernels and cuBLAS handles, the TP group's first
+    collective (NCCL builds its communicator there)."""
+    cache = DenseKV(model.cfg, [8], heads=model.kv_heads, device=model.device, dtype=model.kv_dtype)
+    model.forward(torch.arange(7), [Segment(0, 0, 7)], cache)
+    model.forward(torch.tensor([7]), [Segment(0, 7, 1)], cache)
+    if model.device.type == "cuda":
+        torch.cuda.synchronize(model.device)
+
+
 class DenseKV:
     """A contiguous per-sequence KV cache (the single-process reference; no kvd)."""
 
