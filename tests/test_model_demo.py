@@ -155,10 +155,11 @@ def test_decode_from_a_corrupted_block_is_caught() -> None:
 # -- real executors through real daemons -----------------------------------------------------
 @pytest.fixture(scope="module")
 def daemons() -> Iterator[tuple[Path, DaemonProcess, DaemonProcess]]:
-    """One daemon pair over NIXL for every case: gen pools for TP2 (vLLM axis order) and TP4
-    (TensorRT-LLM's), the ctx pool in TensorRT-LLM's; regrouped through the bounce buffer."""
+    """One daemon pair over NIXL for every case, regrouped through the bounce buffer: the ctx
+    pool in TensorRT-LLM's axis order with 8 tokens a block; gen pools for TP2 in vLLM's order
+    (8 tokens a block) and for TP4 in TensorRT-LLM's with 16 tokens a block."""
     workdir = Path(tempfile.mkdtemp(prefix="kvdm-", dir="/tmp"))
-    ctx, gen = start_daemons(workdir, SMALL, {2: "vllm", 4: "trtllm"})
+    ctx, gen = start_daemons(workdir, SMALL, {2: ("vllm", 8), 4: ("trtllm", 16)})
     try:
         yield workdir, ctx, gen
     finally:

@@ -48,7 +48,8 @@ class DemoOptions:
     dtype: str = "float32"
     prompt_lengths: tuple[int, ...] = (5, 16, 37, 90, 130)
     new_tokens: int = 24
-    tokens_per_block: int = 16
+    tokens_per_block: int = 16  # the ctx pool's
+    gen_tokens_per_block: int = 0  # the gen pools' (0 = the ctx pool's); one must divide the other
     pool_blocks: int = 64
     mapped: bool = True  # same-node mapped path; False = NIXL (bounce buffer, or direct)
     ctx_axis_order: str = "trtllm"
@@ -112,32 +113,33 @@ def gen_pool(tp: int, rank: int) -> str:
 
 
 def start_daemons(
-    workdir: Path, opts: DemoOptions, gen_axis_orders: Mapping[int, str] | None = None
+    workdir: Path, opts: DemoOptions, gen_layouts: Mapping[int, tuple[str, int]] | None = None
 ) -> tuple[DaemonProcess, DaemonProcess]:
     """The gen daemon, then the ctx daemon (pool ``ctx0``) with gen as its peer.
 
-    The gen daemon gets one pool per rank for each TP size in ``gen_axis_orders`` (TP size →
-    axis order name; default: ``opts.gen_tp`` in ``opts.gen_axis_order``).
+    The gen daemon gets one pool per rank for each TP size in ``gen_layouts`` (TP size → axis
+    order name and tokens per block; default: ``opts.gen_tp`` with ``opts.gen_axis_order`` and
+    ``opts.gen_tokens_per_block``).
     """
     cfg = opts.model
     memory = "host" if opts.device == "cpu" else "auto"
     geometry: dict[str, Any] = {
         "num_layers": cfg.num_layers, "num_kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
-        "tokens_per_block": opts.tokens_per_block, "dtype": opts.dtype, "num_blocks": opts.pool_blocks,
+        "dtype": opts.dtype, "num_blocks": opts.pool_blocks,
     }
     common: dict[str, Any] = {
         "peer_secret_file": write_secret(workdir),
         "transfer": {"bounce_size_mb": 16, "chunk_mb": 2, "deadline_s": opts.timeout_s, "mapped": opts.mapped},
     }
-    orders = gen_axis_orders or {opts.gen_tp: opts.gen_axis_order}
+    layouts = gen_layouts or {opts.gen_tp: (opts.gen_axis_order, opts.gen_tokens_per_block or opts.tokens_per_block)}
     gen_pools = [
         {"name": gen_pool(tp, r), "memory": memory, "device": dev, **geometry, "tp_size": tp, "rank": r,
-         "axis_order": list(AXIS_ORDERS[order])}
-        for tp, order in orders.items()
+         "axis_order": list(AXIS_ORDERS[order]), "tokens_per_block": tpb}
+        for tp, (order, tpb) in layouts.items()
         for r, dev in enumerate(gen_devices(opts, tp))
     ]
     ctx_pool = {"name": "ctx0", "memory": memory, "device": -1 if opts.device == "cpu" else 0, **geometry,
-                "axis_order": list(AXIS_ORDERS[opts.ctx_axis_order])}
+                "axis_order": list(AXIS_ORDERS[opts.ctx_axis_order]), "tokens_per_block": opts.tokens_per_block}
     gen = start_daemon({**common, "pools": gen_pools}, workdir=workdir, name="gen")
     try:
         ctx = start_daemon(
@@ -279,7 +281,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="weights and KV cache dtype (arithmetic is float32)")
     parser.add_argument("--prompts", default="5,16,37,90,130", help="prompt lengths, comma-separated")
     parser.add_argument("--new-tokens", type=int, default=24, help="tokens each gen decode produces")
-    parser.add_argument("--tokens-per-block", type=int, default=16)
+    parser.add_argument("--tokens-per-block", type=int, default=16, help="tokens per block of the ctx pool")
+    parser.add_argument("--gen-tokens-per-block", type=int, default=0,
+                        help="tokens per block of the gen pools (default: the ctx pool's; one must divide the other)")
     parser.add_argument("--no-mapped", dest="mapped", action="store_false",
                         help="move KV over NIXL instead of the same-node mapped path")
     parser.add_argument("--gen-axis-order", choices=sorted(AXIS_ORDERS), default="trtllm",
@@ -297,9 +301,11 @@ def main(argv: list[str] | None = None) -> int:
     lengths = tuple(int(x) for x in args.prompts.split(",") if x)
     opts = DemoOptions(gen_tp=args.gen_tp, order=args.order, device=args.device, dtype=args.dtype,
                        prompt_lengths=lengths, new_tokens=args.new_tokens, tokens_per_block=args.tokens_per_block,
+                       gen_tokens_per_block=args.gen_tokens_per_block,
                        mapped=args.mapped, gen_axis_order=args.gen_axis_order, backend=args.backend,
                        threads=args.threads)
-    need = max(-(-(n + opts.new_tokens) // opts.tokens_per_block) for n in lengths) * len(lengths)
+    smallest = min(opts.tokens_per_block, opts.gen_tokens_per_block or opts.tokens_per_block)
+    need = sum(-(-(n + opts.new_tokens) // smallest) for n in lengths)  # blocks a pool must hold at once
     opts = DemoOptions(**{**opts.__dict__, "pool_blocks": max(opts.pool_blocks, need)})
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     workdir = Path(tempfile.mkdtemp(prefix="kvd-model-", dir="/tmp"))
