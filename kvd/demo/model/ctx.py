@@ -21,7 +21,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from typing import Any
 
+import numpy as np
 import torch
 
 from clients.blocking import Client
@@ -67,6 +69,8 @@ def _run(conn: Connection, spec: CtxSpec) -> None:
     with Client(spec.socket_path, client="ctx-rank0") as kvd, kvd.attach(spec.pool) as pool:
         layout = pool_layout(spec.model, spec.dtype, 1, 0, pool.info)
         device = pool.tensor.device
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
         model = TPDecoder(spec.model, full_weights(spec.model), device=device, dtype=torch_dtype(spec.dtype))
         cache = PagedKV(pool.tensor, layout, rank=0)
         warm_up(model)
@@ -76,7 +80,7 @@ def _run(conn: Connection, spec: CtxSpec) -> None:
             raise RuntimeError(f"ctx0: expected Start, got {type(msg).__name__}")
         first: dict[str, int] = {}
         seconds: dict[str, float] = {}
-        logits_out = {}
+        logits_out: dict[str, np.ndarray[Any, Any]] = {}
         blocks: dict[str, list[int]] = {}
         for prompt in spec.prompts:
             rid, n = prompt.request_id, len(prompt.tokens)
