@@ -13,6 +13,7 @@ tensors would travel through shared memory or CUDA IPC instead of the pipe).
 
 from __future__ import annotations
 
+import contextlib
 import time
 import traceback
 from collections.abc import Callable, Mapping
@@ -125,10 +126,9 @@ def run_worker(name: str, conn: Connection, body: Callable[[], None]) -> None:
     try:
         body()
     except BaseException as exc:
-        try:
+        with contextlib.suppress(OSError):  # the driver may be gone (that is why recv failed)
             conn.send(Failed(name, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
-        finally:
-            conn.close()
+        conn.close()
         raise SystemExit(1) from None
 
 

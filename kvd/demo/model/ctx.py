@@ -29,7 +29,7 @@ import torch
 from clients.blocking import Client
 from kvd.demo.model import control as c
 from kvd.demo.model.paged import PagedKV, blocks_for, pool_layout
-from kvd.demo.model.transformer import ModelConfig, Segment, TPDecoder, full_weights, warm_up
+from kvd.demo.model.transformer import ModelConfig, Segment, TPDecoder, exact_float32, full_weights, warm_up
 from kvd.mapping.views import torch_dtype
 from protocol.messages import Completion
 
@@ -66,6 +66,7 @@ def ctx_main(conn: Connection, spec: CtxSpec) -> None:
 
 def _run(conn: Connection, spec: CtxSpec) -> None:
     torch.set_num_threads(spec.threads)
+    exact_float32()
     with Client(spec.socket_path, client="ctx-rank0") as kvd, kvd.attach(spec.pool) as pool:
         layout = pool_layout(spec.model, spec.dtype, 1, 0, pool.info)
         device = pool.tensor.device

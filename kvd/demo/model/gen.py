@@ -34,7 +34,7 @@ from clients.blocking import Client
 from kvd.demo.model import control as c
 from kvd.demo.model.ctx import completion_info, sync
 from kvd.demo.model.paged import PagedKV, blocks_for, pool_layout
-from kvd.demo.model.transformer import ModelConfig, Segment, TPDecoder, full_weights, warm_up
+from kvd.demo.model.transformer import ModelConfig, Segment, TPDecoder, exact_float32, full_weights, warm_up
 from kvd.mapping.views import torch_dtype
 
 
@@ -68,6 +68,7 @@ def _all_reduce(t: torch.Tensor) -> torch.Tensor:
 
 def _run(conn: Connection, spec: GenSpec) -> None:
     torch.set_num_threads(spec.threads)
+    exact_float32()
     name = f"gen{spec.rank}"
     with Client(spec.socket_path, client=f"gen-rank{spec.rank}") as kvd, kvd.attach(spec.pool) as pool:
         layout = pool_layout(spec.model, spec.dtype, spec.tp_size, spec.rank, pool.info)

@@ -30,7 +30,7 @@ from kvd.demo.model import control as c
 from kvd.demo.model.ctx import CtxSpec, ctx_main
 from kvd.demo.model.gen import GenSpec, gen_main
 from kvd.demo.model.reference import LOGIT_TOLERANCE, Comparison, compare, reference_run
-from kvd.demo.model.transformer import ModelConfig
+from kvd.demo.model.transformer import ModelConfig, exact_float32
 from kvd.demo.pair import write_secret
 from protocol.layout import TRTLLM_AXIS_ORDER, VLLM_AXIS_ORDER
 
@@ -168,7 +168,10 @@ def run_on_daemons(workdir: Path, opts: DemoOptions, ctx_d: DaemonProcess, gen_d
     opts.model.check_tp(opts.gen_tp)
     prompts = make_prompts(opts.prompt_lengths, opts.model.vocab_size, opts.request_prefix)
     published, ctx_done, gens = _run_executors(workdir, opts, prompts, ctx_d, gen_d)
-    device = "cpu" if opts.device == "cpu" else "cuda:0"
+    device = "cpu"
+    if opts.device == "cuda":
+        device = "cuda:0"
+        exact_float32()
     ref = reference_run(opts.model, opts.dtype, device, prompts, opts.new_tokens)
     tolerance = LOGIT_TOLERANCE[opts.dtype]
     return DemoReport(opts, prompts, published, ctx_done, gens, compare(ref, published, gens, tolerance), tolerance)

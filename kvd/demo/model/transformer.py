@@ -58,6 +58,13 @@ class ModelConfig:
             raise ValueError(f"num_q_heads={self.num_q_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
 
 
+def exact_float32() -> None:
+    """Keep float32 matrix products in float32 on GPUs (no TF32): the comparison with the
+    reference relies on it. Process-wide; called by the demo's executors and its driver."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+
+
 def full_weights(cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """Every weight of the model (float32, CPU), drawn from ``cfg.seed``.
 
