@@ -215,3 +215,14 @@ def test_kvd_demo_model_prints_figures_and_token_identical(capsys: pytest.Captur
     assert "token-identical" in out
     assert "mapped" in out
     assert "tokens/s" in out
+
+
+@pytest.mark.parametrize("argv", [["--prompts", "3,0"], ["--prompts", "3,x"], ["--new-tokens", "0"],
+                                  ["--gen-tp", "3"]])
+def test_kvd_demo_model_refuses_bad_arguments_before_starting_anything(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    assert "kvd demo --model: error:" in capsys.readouterr().err

@@ -275,7 +275,11 @@ def print_report(report: DemoReport) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvd demo --model", description=__doc__.splitlines()[0] if __doc__ else None)
+    parser = argparse.ArgumentParser(
+        prog="kvd demo --model",
+        description="A small transformer served through kvd: ctx TP1 prefill -> gen TP2/TP4 decode from the KV "
+                    "kvd delivered, compared token by token with the same model in one process.",
+    )
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="host pools (default) or GPU pools")
     parser.add_argument("--gen-tp", type=int, choices=[2, 4], default=4)
     parser.add_argument("--order", choices=["gen-first", "ctx-first"], default="gen-first",
@@ -300,8 +304,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """``kvd demo --model``; exit code 0 when token-identical, 1 otherwise."""
-    args = build_parser().parse_args(argv)
-    lengths = tuple(int(x) for x in args.prompts.split(",") if x)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        lengths = tuple(int(x) for x in args.prompts.split(",") if x.strip())
+    except ValueError:
+        parser.error(f"--prompts: comma-separated token counts expected, got {args.prompts!r}")
+    if not lengths or min(lengths) < 1 or args.new_tokens < 1:
+        parser.error("every prompt needs at least one token, and --new-tokens at least 1")
     opts = DemoOptions(gen_tp=args.gen_tp, order=args.order, device=args.device, dtype=args.dtype,
                        prompt_lengths=lengths, new_tokens=args.new_tokens, tokens_per_block=args.tokens_per_block,
                        gen_tokens_per_block=args.gen_tokens_per_block,
