@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
             return _serve(args)
         if args.command == "demo":
             if "--model" in rest:
-                from kvd.demo.model.run import main as model_main
+                from kvd.demo.model.cli import main as model_main
 
                 return model_main([a for a in rest if a != "--model"])
             from kvd.demo.pair import main as demo_main

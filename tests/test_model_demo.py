@@ -8,6 +8,8 @@ before the gen ranks are), never by sleeps.
 
 from __future__ import annotations
 
+import dataclasses
+import multiprocessing
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -20,9 +22,12 @@ import torch
 
 from kvd.demo.launch import DaemonProcess
 from kvd.demo.model import control as c
+from kvd.demo.model.cli import main
+from kvd.demo.model.daemons import start_daemons
+from kvd.demo.model.options import DemoOptions
 from kvd.demo.model.paged import PagedKV, canonical_view, pool_layout
 from kvd.demo.model.reference import compare, reference_run
-from kvd.demo.model.run import DemoOptions, main, run_on_daemons, start_daemons
+from kvd.demo.model.run import run_on_daemons
 from kvd.demo.model.transformer import DenseKV, ModelConfig, Segment, TPDecoder, full_weights
 from protocol.errors import IncompatibleLayout
 from protocol.layout import TRTLLM_AXIS_ORDER, VLLM_AXIS_ORDER, KVLayout
@@ -174,8 +179,7 @@ def test_ctx_tp1_to_gen_tp_decodes_token_identical(
     daemons: tuple[Path, DaemonProcess, DaemonProcess], gen_tp: int, order: str
 ) -> None:
     workdir, ctx, gen = daemons
-    opts = DemoOptions(**{**SMALL.__dict__, "gen_tp": gen_tp, "order": order,
-                          "request_prefix": f"tp{gen_tp}-{order}"})
+    opts = dataclasses.replace(SMALL, gen_tp=gen_tp, order=order, request_prefix=f"tp{gen_tp}-{order}")
     report = run_on_daemons(workdir, opts, ctx, gen)
     assert report.token_identical, report.comparison.mismatches
     assert report.comparison.max_logit_diff < report.tolerance
@@ -193,16 +197,12 @@ def test_a_gen_rank_that_fails_is_reported_and_no_executor_is_left(
 ) -> None:
     workdir, ctx, gen = daemons
     # ctx publishes first, then every gen rank asks for more blocks than its pool has
-    opts = DemoOptions(**{**SMALL.__dict__, "gen_tp": 2, "order": "ctx-first", "new_tokens": 10_000,
-                          "request_prefix": "too-long"})
+    opts = dataclasses.replace(SMALL, gen_tp=2, order="ctx-first", new_tokens=10_000, request_prefix="too-long")
     with pytest.raises(c.WorkerFailed, match=r"gen\d failed: OutOfBlocks"):
         run_on_daemons(workdir, opts, ctx, gen)
-    import multiprocessing
-
     assert not multiprocessing.active_children()
-    # the daemons are still serving: the same request ids under a fresh prefix decode fine
-    again = run_on_daemons(workdir, DemoOptions(**{**SMALL.__dict__, "gen_tp": 2, "request_prefix": "after"}),
-                           ctx, gen)
+    # the daemons are still serving: the next run on them decodes token-identical
+    again = run_on_daemons(workdir, dataclasses.replace(SMALL, gen_tp=2, request_prefix="after"), ctx, gen)
     assert again.token_identical, again.comparison.mismatches
 
 
