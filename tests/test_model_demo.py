@@ -24,9 +24,9 @@ from kvd.demo.launch import DaemonProcess
 from kvd.demo.model import control as c
 from kvd.demo.model.cli import main
 from kvd.demo.model.daemons import start_daemons
-from kvd.demo.model.options import DemoOptions
+from kvd.demo.model.options import DemoOptions, Order
 from kvd.demo.model.paged import PagedKV, canonical_view, pool_layout
-from kvd.demo.model.reference import compare, reference_run
+from kvd.demo.model.reference import ReferenceResult, compare, reference_run
 from kvd.demo.model.run import run_on_daemons
 from kvd.demo.model.transformer import DenseKV, ModelConfig, Segment, TPDecoder, full_weights
 from protocol.errors import IncompatibleLayout
@@ -101,7 +101,8 @@ def test_tp_sizes_that_do_not_split_the_heads_are_refused() -> None:
 
 
 # -- the comparison --------------------------------------------------------------------------
-def _as_run(ref: c.Published | None = None) -> tuple[c.Published, dict[str, c.GenDone], object]:
+def _as_run() -> tuple[c.Published, dict[str, c.GenDone], ReferenceResult]:
+    """A run that reproduced the reference exactly (two gen ranks), to be altered by the tests."""
     cfg = ModelConfig()
     prompts = (c.Prompt("r-0", (1, 2, 3)), c.Prompt("r-1", tuple(range(20))))
     result = reference_run(cfg, "float32", "cpu", prompts, 4)
@@ -114,12 +115,12 @@ def _as_run(ref: c.Published | None = None) -> tuple[c.Published, dict[str, c.Ge
 
 def test_compare_accepts_identical_and_names_request_and_step_of_each_difference() -> None:
     published, gens, ref = _as_run()
-    assert compare(ref, published, gens, 1e-3).token_identical  # type: ignore[arg-type]
+    assert compare(ref, published, gens, 1e-3).token_identical
 
     gens["gen0"].tokens["r-1"][2] += 1
     gens["gen1"].tokens["r-1"][2] += 1
     gens["gen0"].logits["r-0"][3, 5] += 0.01
-    found = compare(ref, published, gens, 1e-3)  # type: ignore[arg-type]
+    found = compare(ref, published, gens, 1e-3)
     assert not found.token_identical
     assert any(m.startswith("r-1 step 2: token ") for m in found.mismatches), found.mismatches
     assert any(m.startswith("r-0 step 3: logits differ by 0.01") for m in found.mismatches), found.mismatches
@@ -128,7 +129,7 @@ def test_compare_accepts_identical_and_names_request_and_step_of_each_difference
     published, gens, ref = _as_run()
     gens["gen1"].tokens["r-0"][0] += 1
     published.first_tokens["r-1"] += 1
-    found = compare(ref, published, gens, 1e-3)  # type: ignore[arg-type]
+    found = compare(ref, published, gens, 1e-3)
     assert "r-1 prefill: first token" in " ".join(found.mismatches)
     assert any("gen1 decoded" in m and "TP ranks diverged" in m for m in found.mismatches), found.mismatches
 
@@ -176,7 +177,7 @@ def daemons() -> Iterator[tuple[Path, DaemonProcess, DaemonProcess]]:
 @pytest.mark.parametrize("order", ["gen-first", "ctx-first"])
 @pytest.mark.parametrize("gen_tp", [2, 4])
 def test_ctx_tp1_to_gen_tp_decodes_token_identical(
-    daemons: tuple[Path, DaemonProcess, DaemonProcess], gen_tp: int, order: str
+    daemons: tuple[Path, DaemonProcess, DaemonProcess], gen_tp: int, order: Order
 ) -> None:
     workdir, ctx, gen = daemons
     opts = dataclasses.replace(SMALL, gen_tp=gen_tp, order=order, request_prefix=f"tp{gen_tp}-{order}")
