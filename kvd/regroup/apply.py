@@ -3,10 +3,12 @@
 Three calls, one per use, all on flat-byte pools (contiguous numpy arrays or torch tensors of any
 dtype, viewed as bytes; the pools of the ranks the call touches):
 
-``regroup(plan, src_rank, src_pool, dst_pools, *, stream=None, engine="auto") -> Completion``
+``regroup(plan, src_rank, src_pool, dst_pools, *, stream=None, engine="auto",
+launch_on="src") -> Completion``
     Every pair ``(src_rank, d)`` of the plan, from ``src_pool`` straight into ``dst_pools[d]``
     (the mapped and local paths; ``dst_pools`` may hold a peer GPU's memory). One kernel launch
-    on the source GPU for all destination ranks.
+    on the source GPU for all destination ranks (push), or with ``launch_on="dst"`` one per
+    destination GPU (pull: for CUDA IPC mappings, which only their own GPU can address).
 ``gather_chunk(plan, src_rank, dst_rank, src_pool, staging, *, offset, nbytes, stream=None,
 engine="auto") -> Completion``
     Bytes ``[offset, offset + nbytes)`` of pair (src_rank, dst_rank)'s stream, packed into
@@ -28,9 +30,11 @@ synchronous. GPU work goes on ``stream`` (a ``torch.cuda.Stream``; default: the 
 device's current stream) and is ordered after the work already on it; the caller makes that
 stream wait for whatever wrote the source (an executor's event, a NIXL notification).
 
-The returned :class:`Completion` has ``done()`` (non-blocking: ``cudaEventQuery`` on an event
+The returned :class:`Completion` has ``done()`` (non-blocking: ``cuEventQuery`` on an event
 recorded after the work, for polling from the event loop), ``wait()``, ``engine`` and
-``nbytes``. A launch failure surfaces there as :class:`~kvd.regroup.kernel.KernelError`.
+``nbytes``; every call takes an optional ``tile_bytes`` (the kernel's bytes per thread block,
+default 16 KiB; 4-64 KiB measured alike). A launch failure surfaces in ``done()``/``wait()`` as
+:class:`~kvd.regroup.kernel.KernelError`.
 """
 
 from __future__ import annotations
