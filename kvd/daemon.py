@@ -3,7 +3,7 @@
 ``Daemon`` ties the actors together: the pools (one per configured device/rank), the
 sessions, the transfer engine and the counters behind ``Stats``. All of it lives on the
 trio thread; every mutation happens between two awaits, so each operation is atomic with
-respect to every other session (the actor rule of DESIGN.md without a channel hop for the
+respect to every other session (actors that own their state, without a channel hop for the
 sub-microsecond allocator operations). Slow work (pool creation, NIXL registration,
 gather/scatter) goes through ``trio.to_thread``.
 """
@@ -19,6 +19,8 @@ import structlog
 import trio
 
 from kvd.config import Config, LimitsConfig, config_to_json
+from kvd.ops.history import TransferHistory
+from kvd.ops.peers import peer_infos
 from protocol import messages as m
 from protocol.errors import BadRequest, Draining, LimitExceeded, NotFound
 
@@ -28,6 +30,7 @@ if TYPE_CHECKING:
     from kvd.ops.metrics import Metrics
     from kvd.pool import Pool
     from kvd.transfer.engine import Engine
+    from kvd.transfer.requests import Side
 
 log = structlog.get_logger("kvd.daemon")
 
@@ -90,6 +93,7 @@ class Daemon:
         self.draining = False
         self.stop_requested = trio.Event()
         self.engine: Engine | None = None
+        self.history = TransferHistory()
 
     # -- sessions ---------------------------------------------------------------------------
     def add_session(self, session: Session) -> None:
@@ -128,8 +132,10 @@ class Daemon:
             infos = [s.info(self.blocks_leased_by(s.id)) for s in self.sessions.values()]
             return m.SessionsReply(id=msg.id, sessions=infos), []
         if isinstance(msg, m.ListTransfers):
-            transfers = self.engine.transfer_infos() if self.engine is not None else []
-            return m.TransfersReply(id=msg.id, transfers=transfers), []
+            live = self.engine.transfer_infos() if self.engine is not None else []
+            return m.TransfersReply(id=msg.id, transfers=self.history.merged(live)), []
+        if isinstance(msg, m.ListPeers):
+            return m.PeersReply(id=msg.id, peers=peer_infos(self.config, self.engine)), []
         if isinstance(msg, m.GetConfig):
             return m.ConfigReply(id=msg.id, config_json=config_to_json(self.config)), []
         if isinstance(msg, m.Drain):
@@ -185,6 +191,11 @@ class Daemon:
         ids = pool.blocks.alloc(session.id, msg.count)
         self._update_pool_metrics()
         return m.Allocated(id=msg.id, pool=msg.pool, block_ids=ids)
+
+    def transfer_finished(self, side: Side) -> None:
+        """The engine finished a transfer side (done or failed): keep it for ``kvctl transfers``."""
+        if side.completion is not None:
+            self.history.record(side.info(), side.completion)
 
     # -- stats ------------------------------------------------------------------------------
     def _pool_sessions(self, name: str) -> int:

@@ -4,7 +4,9 @@ One nursery holds every actor: the signal watcher, the systemd watchdog, the Uni
 with its session actors, the transfer engine (peer links, NIXL progress poller) and the
 optional metrics endpoint. Startup is reported with ``task_status.started(daemon)`` (and
 ``READY=1`` to systemd) only after every actor said it is up; nothing waits with a sleep.
-Shutdown (SIGTERM/SIGINT or a client's ``Drain``): ``STOPPING=1``, stop accepting, let
+What the configuration alone decides (the peer secret, the socket path) is checked before any
+memory is allocated; every startup failure is a :class:`~kvd.startup.StartupError` naming
+its setting. Shutdown (SIGTERM/SIGINT or a client's ``Drain``): ``STOPPING=1``, stop accepting, let
 in-flight transfers finish up to ``drain_timeout_s``, cancel the rest, release everything,
 unlink the socket if it is still ours.
 """
@@ -15,17 +17,23 @@ import os
 import signal
 from collections.abc import Mapping
 from functools import partial
+from typing import TYPE_CHECKING
 
 import structlog
 import trio
 
 from kvd.config import Config
 from kvd.daemon import Daemon, check_limits
-from kvd.executor.listener import open_unix_listener
+from kvd.executor.listener import SocketInUse, UnixListener, open_unix_listener
 from kvd.executor.peercred import AccessPolicy
 from kvd.executor.session import handle_connection
 from kvd.ops.metrics import Metrics, serve_metrics
 from kvd.ops.notify import Notifier, run_watchdog
+from kvd.startup import EX_CONFIG, StartupError
+from protocol.errors import BadRequest, KvdError
+
+if TYPE_CHECKING:
+    from kvd.pool import Pool
 
 log = structlog.get_logger("kvd.server")
 
@@ -48,6 +56,45 @@ async def _sample_gauges(daemon: Daemon) -> None:
         await trio.sleep(GAUGE_SAMPLE_S)
 
 
+def _check_peer_secret(config: Config) -> None:
+    """Refuse a missing, unsafe or short peer secret (and peers without one) at once."""
+    from kvd.peer import load_secret
+
+    if config.peer_secret_file:
+        try:
+            load_secret(config.peer_secret_file)
+        except KvdError as exc:
+            raise StartupError(f"peer_secret_file: {exc.message}", setting="peer_secret_file",
+                               exit_code=EX_CONFIG) from None
+    elif config.peers:
+        raise StartupError(
+            f"peer_secret_file: not set, but [[peers]] lists {', '.join(p.name for p in config.peers)}; "
+            "peer links need the shared secret: set peer_secret_file, or remove [[peers]]",
+            setting="peer_secret_file",
+            exit_code=EX_CONFIG,
+        )
+
+
+async def _open_socket(config: Config) -> UnixListener:
+    """Bind the executor socket first (connections wait in the backlog until ready)."""
+    try:
+        return await open_unix_listener(config.socket_path, config.socket_mode)
+    except SocketInUse as exc:
+        raise StartupError(
+            f"socket_path: {exc.message}; stop that daemon first, or give this one another "
+            "socket_path (KVD_SOCKET)",
+            setting="socket_path",
+        ) from None
+    except (BadRequest, OSError) as exc:
+        message = exc.message if isinstance(exc, BadRequest) else f"cannot listen on {config.socket_path}: {exc.strerror}"
+        raise StartupError(
+            f"socket_path: {message}; choose a socket_path in an existing directory this user may write "
+            "(KVD_SOCKET)",
+            setting="socket_path",
+            exit_code=EX_CONFIG,
+        ) from None
+
+
 async def serve(
     config: Config,
     *,
@@ -61,14 +108,16 @@ async def serve(
 
     env = os.environ if env is None else env
     check_limits(config.limits)
+    # What the configuration alone decides fails now, before any memory is allocated.
+    _check_peer_secret(config)
     notifier = Notifier(env)
-    notifier.status("starting: creating pools")
-    pools = await trio.to_thread.run_sync(partial(create_pools, config.pools, env))
-    metrics = Metrics()
-    daemon = Daemon(config, pools, AccessPolicy.from_config(config.access), metrics)
-    listener = None
+    listener = await _open_socket(config)
+    pools: dict[str, Pool] = {}
     try:
-        listener = await open_unix_listener(config.socket_path, config.socket_mode)
+        notifier.status("starting: creating pools")
+        pools = await trio.to_thread.run_sync(partial(create_pools, config.pools, env))
+        metrics = Metrics()
+        daemon = Daemon(config, pools, AccessPolicy.from_config(config.access), metrics)
         async with trio.open_nursery() as root:
             if handle_signals:
                 root.start_soon(_watch_signals, daemon)
@@ -110,8 +159,7 @@ async def serve(
             root.cancel_scope.cancel()
     finally:
         with trio.CancelScope(shield=True):
-            if listener is not None:
-                await listener.aclose()
+            await listener.aclose()
             for pool in pools.values():
                 pool.close()
             log.info("daemon.stopped")

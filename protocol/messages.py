@@ -64,15 +64,28 @@ class TransferInfo(msgspec.Struct, frozen=True, kw_only=True):
     request_id: str
     role: str  # "ctx" (sender) | "gen" (receiver)
     peer: str
-    state: str  # "waiting" | "running" | "done" | "failed"
+    state: str  # "waiting", "running" or a finer stage ("offered", "streaming", ...); "done" | "failed" at the end
     bytes_total: int = 0
     bytes_done: int = 0
     chunks_total: int = 0
     chunks_done: int = 0
     path: str = ""
     started_s: float = 0.0
-    duration_s: float = 0.0
+    duration_s: float = 0.0  # in progress: since registration; finished: the Completion's duration_s
     error: str = ""
+
+
+class PeerInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """One peer daemon: a live link, or a configured peer not connected (yet)."""
+
+    node: str
+    state: str  # "up" (authenticated link) | "connecting" (configured, no link: retrying)
+    direction: str  # "outgoing" (in this daemon's [[peers]]) | "incoming" (the peer connected to us)
+    remote: str = ""  # host:port
+    last_heard_s: float = -1.0  # seconds since the last frame (heartbeat or any message); -1 = never
+    transfers_active: int = 0  # transfers with this peer not finished yet
+    mapped: bool = False  # the peer's pools are mapped here (same node: path "mapped")
+    error: str = ""  # why the last connection attempt failed
 
 
 class DaemonStats(msgspec.Struct, frozen=True, kw_only=True):
@@ -182,7 +195,11 @@ class ListSessions(Message, frozen=True, tag="sessions"):
 
 
 class ListTransfers(Message, frozen=True, tag="transfers"):
-    pass
+    """Transfers in progress, then recently finished ones with their outcome (newest last)."""
+
+
+class ListPeers(Message, frozen=True, tag="peers"):
+    """Peer daemons: live links and configured peers not connected."""
 
 
 class Drain(Message, frozen=True, tag="drain"):
@@ -207,6 +224,7 @@ Request = (
     | ListPools
     | ListSessions
     | ListTransfers
+    | ListPeers
     | Drain
     | GetConfig
 )
@@ -256,7 +274,7 @@ class Completion(Message, frozen=True, tag="completion"):
     ok: bool
     bytes: int = 0
     duration_s: float = 0.0
-    path: str = ""  # "direct" | "bounce" | "fragment-fallback" | "local"
+    path: str = ""  # "local" | "mapped" | "direct" | "bounce" | "fragment-fallback"
     chunks: int = 0
     fallback: str = ""  # "" or the fallback kind taken
     peer: str = ""
@@ -282,6 +300,10 @@ class SessionsReply(Message, frozen=True, tag="sessions_reply"):
 
 class TransfersReply(Message, frozen=True, tag="transfers_reply"):
     transfers: list[TransferInfo]
+
+
+class PeersReply(Message, frozen=True, tag="peers_reply"):
+    peers: list[PeerInfo]
 
 
 class ConfigReply(Message, frozen=True, tag="config_reply"):
@@ -311,6 +333,7 @@ Reply = (
     | PoolsReply
     | SessionsReply
     | TransfersReply
+    | PeersReply
     | ConfigReply
     | Ok
     | Error

@@ -1,4 +1,4 @@
-"""Integration tests of the executor IPC (issue 2): a real kvd subprocess, real Unix sockets.
+"""Integration tests of the executor IPC: a real kvd subprocess, real Unix sockets.
 
 Every test talks to a daemon started with ``python -m kvd serve`` (readiness observed on a
 NOTIFY_SOCKET, never a sleep) through its socket: the async client, the blocking client, or a

@@ -1,4 +1,4 @@
-"""Fuzz a live kvd with malformed input (issue 2): it answers or hangs up, never hangs or dies.
+"""Fuzz a live kvd with malformed input: it answers or hangs up, never hangs or dies.
 
 More than 10,000 hypothesis-generated inputs go to one daemon subprocess over its Unix socket:
 random bytes, truncated frames, oversized length prefixes, well-framed msgpack with unknown tags
@@ -63,6 +63,7 @@ VALID_REQUESTS: list[m.Message] = [
     m.ListPools(),
     m.ListSessions(),
     m.ListTransfers(),
+    m.ListPeers(),
     m.Drain(),
     m.GetConfig(),
 ]

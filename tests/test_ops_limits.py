@@ -1,4 +1,4 @@
-"""Issue 7, limits: every ``[limits]`` value is enforced by a real daemon with a clear error,
+"""Limits: every ``[limits]`` value is enforced by a real daemon with a clear error,
 and hitting a limit in one session has no effect on the others.
 
 One daemon (a subprocess) with small limits serves the whole module; each test cleans up

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import random
 from collections import deque
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import msgspec
@@ -483,6 +484,14 @@ async def run_heartbeats(conn: PeerConnection, interval: float = 5.0, timeout: f
 # --- connecting --------------------------------------------------------------------------
 
 
+def _connect_error(exc: OSError) -> str:
+    """trio's "all attempts to connect to H:P failed", with why (e.g. "Connection refused")."""
+    cause = exc.__cause__
+    inner = cause.exceptions[0] if isinstance(cause, BaseExceptionGroup) and cause.exceptions else cause
+    detail = inner.strerror if isinstance(inner, OSError) else ""
+    return f"{exc}: {detail}" if detail and detail not in str(exc) else str(exc)
+
+
 async def connect_with_backoff(
     host: str,
     port: int,
@@ -494,12 +503,14 @@ async def connect_with_backoff(
     connect_timeout: float = 5.0,
     max_attempts: int | None = None,
     rng: random.Random | None = None,
+    on_retry: Callable[[str], None] | None = None,
 ) -> trio.SocketStream:
     """Open a TCP stream, retrying with exponential backoff (capped at ``maximum``) and jitter.
 
     Each wait is ``delay * (1 - jitter * U[0,1))``, with ``delay`` doubling from ``initial``.
     Cancellable at any point (the caller's deadline applies); raises ``PeerUnavailable``
-    after ``max_attempts`` failed attempts (``None`` = retry forever).
+    after ``max_attempts`` failed attempts (``None`` = retry forever). ``on_retry(reason)`` is
+    called after each failed attempt (``kvctl peers`` shows the latest reason).
     """
     if initial <= 0 or maximum < initial or multiplier < 1 or not 0 <= jitter <= 1:
         raise ValueError("need 0 < initial <= maximum, multiplier >= 1 and 0 <= jitter <= 1")
@@ -513,12 +524,14 @@ async def connect_with_backoff(
                 stream = await trio.open_tcp_stream(host, port)
         except (OSError, trio.TooSlowError) as exc:
             reason = (
-                f"timed out after {connect_timeout} s" if isinstance(exc, trio.TooSlowError) else str(exc)
+                f"timed out after {connect_timeout} s" if isinstance(exc, trio.TooSlowError) else _connect_error(exc)
             )
             if max_attempts is not None and attempt >= max_attempts:
                 raise PeerUnavailable(
                     f"cannot connect to peer {host}:{port} after {attempt} attempts: {reason}"
                 ) from None
+            if on_retry is not None:
+                on_retry(reason)
             wait = delay * (1 - jitter * rand.random())
             level = log.info if attempt == 1 or attempt % 10 == 0 else log.debug
             level(

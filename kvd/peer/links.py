@@ -17,6 +17,7 @@ import structlog
 import trio
 
 from kvd.peer import accept_peer, connect_peer, load_secret, run_heartbeats
+from kvd.startup import bind_failed
 from protocol import transfer as x
 from protocol.errors import BadRequest, KvdError, PeerUnavailable
 from protocol.peer import PeerWelcome, PoolDesc, RegionDesc, register_peer_messages
@@ -148,7 +149,12 @@ class PeerLinks:
             log.info("peer.disabled", reason="no peer_secret_file: this daemon only serves local transfers")
             task_status.started(0)
             return
-        listeners = await trio.open_tcp_listeners(cfg.peer_port, host=cfg.peer_host)
+        try:
+            listeners = await trio.open_tcp_listeners(cfg.peer_port, host=cfg.peer_host)
+        except OSError as exc:
+            raise bind_failed(
+                exc, what="peer-link", host=cfg.peer_host, port=cfg.peer_port, setting="peer_port", env="KVD_PEER_PORT"
+            ) from None
         port = int(listeners[0].socket.getsockname()[1])
         async with trio.open_nursery() as nursery:
             nursery.start_soon(partial(trio.serve_listeners, self._accept, listeners))
@@ -173,7 +179,8 @@ class PeerLinks:
             try:
                 conn = await connect_peer(host, port, node=self.config.node, secret=self.secret,
                                           welcome=self.welcome(), expect_node=node,
-                                          max_frame_size=self.config.limits.max_frame_size, maximum=2.0)
+                                          max_frame_size=self.config.limits.max_frame_size, maximum=2.0,
+                                          on_retry=partial(self.last_error.__setitem__, node))
             except KvdError as exc:
                 self.last_error[node] = str(exc)
                 log.warning("peer.connect_failed", node=node, host=host, port=port, error=str(exc))

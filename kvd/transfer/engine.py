@@ -390,6 +390,7 @@ class Engine:
         if side.completion is not None:
             return
         side.fail(exc)
+        self.daemon.transfer_finished(side)  # kept for `kvctl transfers` after executors collect it
         self.daemon.counters.transfers_failed += 1
         self.daemon.metrics.transfer_failed(exc.code)
         log.warning(
@@ -413,7 +414,11 @@ class Engine:
                         await link.send(x.XferFail(request_id=side.request_id, code=exc.code, message=exc.message))
 
     def _succeed(self, side: Side, *, nbytes: int, path: str, chunks: int, fallback: str = "") -> None:
-        duration = time.monotonic() - side.started
+        # From the match (docs/events.md). A ctx side's task starts once its ranks are registered
+        # and first waits for the link and for the gen side to accept: stage "accepted", not
+        # transfer time (gen and local sides start their clock at the match already).
+        waited = side.stages.get("accepted", 0.0) if side.role == "ctx" else 0.0
+        duration = time.monotonic() - side.started - waited
         completion = m.Completion(
             request_id=side.request_id,
             ok=True,
@@ -427,6 +432,7 @@ class Engine:
         if not side.finish(completion):
             return
         side.bytes_done = nbytes
+        self.daemon.transfer_finished(side)  # kept for `kvctl transfers` after executors collect it
         c = self.daemon.counters
         c.transfers_done += 1
         if side.role == "ctx":

@@ -1,13 +1,13 @@
 """Bring up the daemon's data plane: one NIXL agent, its registrations and staging regions.
 
-Registered once at startup (DESIGN.md: registration is slow, never per transfer):
+Registered once at startup (registration is slow: never per transfer):
 
 - every pool (the source of sends, and the target of direct and fallback writes);
 - the *receive* region: ``bounce_size_mb`` cut into ``chunk_mb`` slots the peer writes into;
 - the *send* staging region: the same size, where chunks are gathered before their write.
 
 Staging lives where the pools live (the first GPU pool's device, else host memory) and is
-NIXL-targetable memory: ``cudaMalloc`` on GPUs, plain host memory on CPUs (DESIGN.md: UCX
+NIXL-targetable memory: ``cudaMalloc`` on GPUs, plain host memory on CPUs (UCX
 cuda_ipc cannot target POSIX-fd VMM memory, so staging is never VMM).
 """
 
@@ -80,7 +80,7 @@ def _staging(nbytes_slot: int, slots: int, device: int) -> StagingRegion:
 
 
 def device_transport_warnings(daemon: Daemon, env: Mapping[str, str]) -> list[dict[str, str]]:
-    """Say at startup when UCX will move device memory slowly (DESIGN.md: never a silent slow path).
+    """Say at startup when UCX will move device memory slowly (never a silent slow path).
 
     - ``UCX_TLS`` set without ``cuda_ipc`` (or ``all``/``^`` exclusions of it): GPU-to-GPU
       writes on a node fall back to staging through host memory.
