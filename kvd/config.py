@@ -109,19 +109,39 @@ class TransferConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
 
 
 class LimitsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """Per-daemon and per-session limits; exceeding one is a clear ``LimitExceeded``."""
+    """Per-daemon and per-session limits; exceeding one is a clear ``LimitExceeded``.
+
+    See ``docs/security.md`` for what each one defends against.
+    """
 
     max_sessions: int = 1024
     max_inflight_per_session: int = 256
     max_blocks_per_session: int = 1 << 30
     max_frame_size: int = DEFAULT_MAX_FRAME_SIZE
+    #: A connection (executor socket or peer port) must finish its handshake within this.
+    handshake_timeout_s: float = 10.0
+    #: Executor connections accepted but not yet through Hello (they are not sessions yet).
+    max_pending_connections: int = 256
+    #: Peer-port connections not yet authenticated.
+    max_pending_peers: int = 16
+    #: Extra sessions and pending connections only operators may use beyond the limits above,
+    #: so an operator can always connect (``kvctl``), whatever the other clients do.
+    operator_reserve: int = 4
+    #: Ranks one request may name on this daemon (its participants; each registers here).
+    max_ranks_per_request: int = 256
 
 
 class AccessConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """Who may connect to the Unix socket (SO_PEERCRED). Empty lists = the daemon's own group."""
+    """Who may connect to the Unix socket (SO_PEERCRED). Empty lists = the daemon's own group.
+
+    ``operator_gids``: members of these groups are operators (besides root and the daemon's
+    own uid): they may use the verbs that change the daemon itself (``drain``) and the
+    ``operator_reserve`` of connection slots.
+    """
 
     allowed_uids: tuple[int, ...] = ()
     allowed_gids: tuple[int, ...] = ()
+    operator_gids: tuple[int, ...] = ()
 
 
 class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

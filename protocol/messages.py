@@ -6,6 +6,12 @@ carries the id of the request it answers. Requests and replies are separate unio
 decoder each (see :mod:`protocol.codec`). Rules for evolving the protocol: new fields get
 defaults; a field's type never changes; new messages get new tags; ``PROTOCOL_VERSION`` is
 bumped only for incompatible changes.
+
+Every request field is bounded (:mod:`protocol.limits`): strings by length, lists by count,
+floats finite and in range; the request decoder refuses anything outside with a
+:class:`~protocol.errors.ProtocolError`. Replies are written by the daemon and bounded by
+it (``List*`` requests page with ``offset``/``limit``; a reply that still does not fit a
+frame fails that request with ``reply_too_large``).
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from __future__ import annotations
 import msgspec
 
 from protocol.layout import KVLayout
+from protocol.limits import BlockIds, Count, DeadlineS, Name, OptionalRanks, RequestId, TimeoutS
 
 PROTOCOL_VERSION = 1
 
@@ -116,66 +123,66 @@ class Hello(Message, frozen=True, tag="hello"):
     """First message of every connection."""
 
     version: int
-    client: str = ""
+    client: Name = ""
     pid: int = 0
 
 
 class AttachPool(Message, frozen=True, tag="attach_pool"):
     """Ask for a pool's memory handle; host/posix_fd pools answer with fds (SCM_RIGHTS)."""
 
-    pool: str
+    pool: Name
 
 
 class Alloc(Message, frozen=True, tag="alloc"):
     """Lease ``count`` blocks of ``pool`` to this session (all or nothing)."""
 
-    pool: str
+    pool: Name
     count: int
 
 
 class Free(Message, frozen=True, tag="free"):
     """Return leased blocks (all or nothing: one bad id frees none)."""
 
-    pool: str
-    block_ids: list[int]
+    pool: Name
+    block_ids: BlockIds
 
 
 class Expect(Message, frozen=True, tag="expect"):
     """gen side: rank ``rank`` of ``layout`` will receive ``request_id`` into ``block_ids``."""
 
-    request_id: str
-    pool: str
+    request_id: RequestId
+    pool: Name
     layout: KVLayout
     rank: int
-    block_ids: list[int]
-    ranks: list[int] | None = None  # participating ranks; None = every rank of the layout
-    deadline_s: float | None = None
+    block_ids: BlockIds
+    ranks: OptionalRanks = None  # participating ranks; None = every rank of the layout
+    deadline_s: DeadlineS | None = None
 
 
 class Publish(Message, frozen=True, tag="publish"):
     """ctx side: rank ``rank`` has written ``request_id`` into ``block_ids``; send it to ``peer``."""
 
-    request_id: str
-    pool: str
+    request_id: RequestId
+    pool: Name
     layout: KVLayout
     rank: int
-    block_ids: list[int]
-    peer: str
-    ranks: list[int] | None = None
-    deadline_s: float | None = None
+    block_ids: BlockIds
+    peer: Name
+    ranks: OptionalRanks = None
+    deadline_s: DeadlineS | None = None
 
 
 class Wait(Message, frozen=True, tag="wait"):
     """Block until ``request_id`` completes (or fails); answered by ``Completion``."""
 
-    request_id: str
-    timeout_s: float | None = None
+    request_id: RequestId
+    timeout_s: TimeoutS | None = None
 
 
 class Cancel(Message, frozen=True, tag="cancel"):
     """Cancel a registered request/transfer by id."""
 
-    request_id: str
+    request_id: RequestId
 
 
 class Ping(Message, frozen=True, tag="ping"):
@@ -191,11 +198,18 @@ class ListPools(Message, frozen=True, tag="pools"):
 
 
 class ListSessions(Message, frozen=True, tag="sessions"):
-    pass
+    """List sessions ``offset`` .. ``offset + limit`` (``limit`` 0 = as many as fit a frame)."""
+
+    offset: Count = 0
+    limit: Count = 0
 
 
 class ListTransfers(Message, frozen=True, tag="transfers"):
-    """Transfers in progress, then recently finished ones with their outcome (newest last)."""
+    """Transfers in progress, then recently finished ones with their outcome (newest last),
+    ``offset`` .. ``offset + limit`` of them (``limit`` 0 = as many as fit a frame)."""
+
+    offset: Count = 0
+    limit: Count = 0
 
 
 class ListPeers(Message, frozen=True, tag="peers"):
@@ -295,11 +309,17 @@ class PoolsReply(Message, frozen=True, tag="pools_reply"):
 
 
 class SessionsReply(Message, frozen=True, tag="sessions_reply"):
+    """One page of sessions; ``total`` is how many there are (page on with ``offset``)."""
+
     sessions: list[SessionInfo]
+    total: int = 0
 
 
 class TransfersReply(Message, frozen=True, tag="transfers_reply"):
+    """One page of transfers; ``total`` is how many there are (page on with ``offset``)."""
+
     transfers: list[TransferInfo]
+    total: int = 0
 
 
 class PeersReply(Message, frozen=True, tag="peers_reply"):

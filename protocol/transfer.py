@@ -19,63 +19,83 @@ the daemons, hand out receive credits and report the outcome:
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import msgspec
 
 from protocol.layout import KVLayout
+from protocol.limits import (
+    MAX_SLOTS,
+    MAX_WORLD_SIZE,
+    BlockIds,
+    ByteCount,
+    Count,
+    Name,
+    Rank,
+    RequestId,
+    Text,
+    TimeoutS,
+)
+
+#: Rank -> that rank's block ids (at most MAX_WORLD_SIZE ranks).
+RankBlocks = Annotated[dict[Rank, BlockIds], msgspec.Meta(max_length=MAX_WORLD_SIZE)]
+Slot = Annotated[int, msgspec.Meta(ge=0, lt=MAX_SLOTS)]
 
 
 class RemoteRegion(msgspec.Struct, frozen=True, kw_only=True):
     """A NIXL-registered memory region of the peer daemon."""
 
-    addr: int
-    nbytes: int
-    device: int  # -1 = host memory (DRAM), else CUDA ordinal (VRAM)
+    addr: ByteCount
+    nbytes: ByteCount
+    device: Annotated[int, msgspec.Meta(ge=-1, lt=1 << 16)]  # -1 = host memory (DRAM), else CUDA ordinal (VRAM)
 
 
 class XferMessage(msgspec.Struct, frozen=True, tag_field="type", kw_only=True):
     """Base of the transfer-control messages; ``request_id`` names the request."""
 
-    request_id: str
+    request_id: RequestId
 
 
 class XferOffer(XferMessage, frozen=True, tag="xfer_offer"):
     layout: KVLayout
-    blocks: dict[int, list[int]]
-    deadline_s: float  # seconds left on the ctx side when sent
+    blocks: RankBlocks
+    deadline_s: TimeoutS  # seconds left on the ctx side when sent (finite, >= 0)
 
 
 class XferAccept(XferMessage, frozen=True, tag="xfer_accept"):
     layout: KVLayout
-    blocks: dict[int, list[int]]
-    pools: dict[int, RemoteRegion]  # gen rank -> its pool region (for direct/fallback writes)
-    pool_names: dict[int, str] = {}  # gen rank -> pool name (for the same-node mapped path)
+    blocks: RankBlocks
+    # gen rank -> its pool region (for direct/fallback writes)
+    pools: Annotated[dict[Rank, RemoteRegion], msgspec.Meta(max_length=MAX_WORLD_SIZE)]
+    # gen rank -> pool name (for the same-node mapped path)
+    pool_names: Annotated[dict[Rank, Name], msgspec.Meta(max_length=MAX_WORLD_SIZE)] = {}
 
 
 class XferGrant(XferMessage, frozen=True, tag="xfer_grant"):
-    slot: int
+    slot: Slot
 
 
 class XferPath(XferMessage, frozen=True, tag="xfer_path"):
     """The sender takes a path without receive slots: "mapped" (it copies straight into the
     receiver's pools, mapped on the same node) or "fragment-fallback" (no credit in time)."""
 
-    path: str
-    reason: str = ""
+    path: Name
+    reason: Text = ""
 
 
 class XferDone(XferMessage, frozen=True, tag="xfer_done"):
-    writes: int  # NIXL writes (notifications) the receiver must have seen
-    bytes: int
-    chunks: int
+    writes: Count  # NIXL writes (notifications) the receiver must have seen
+    bytes: ByteCount
+    chunks: Count
 
 
 class XferComplete(XferMessage, frozen=True, tag="xfer_complete"):
-    bytes: int
+    bytes: ByteCount
 
 
 class XferFail(XferMessage, frozen=True, tag="xfer_fail"):
-    code: str
-    message: str
+    code: Name
+    message: Text
 
 
 XFER_MESSAGES = (XferOffer, XferAccept, XferGrant, XferPath, XferDone, XferComplete, XferFail)
@@ -84,9 +104,9 @@ XFER_MESSAGES = (XferOffer, XferAccept, XferGrant, XferPath, XferDone, XferCompl
 class Notif(msgspec.Struct, frozen=True, array_like=True):
     """NIXL notification payload of one write: which request, which write, which slot."""
 
-    request_id: str
-    seq: int
-    slot: int  # receive slot for bounce writes, -1 for writes straight into the blocks
+    request_id: RequestId
+    seq: Count
+    slot: Annotated[int, msgspec.Meta(ge=-1, lt=MAX_SLOTS)]  # receive slot for bounce writes, -1 straight into the blocks
 
 
 _notif_encoder = msgspec.msgpack.Encoder()
@@ -101,5 +121,5 @@ def decode_notif(data: bytes) -> Notif | None:
     """Decode a notification; ``None`` when it is not one of ours."""
     try:
         return _notif_decoder.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError):
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
         return None

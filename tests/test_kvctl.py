@@ -54,7 +54,7 @@ def served() -> Iterator[tuple[DaemonProcess, Client, KVLayout]]:
     cfg = {
         "pools": [host_pool("host0"), host_pool("host1", num_blocks=16)],
         "transfer": {"bounce_size_mb": 16, "chunk_mb": 2},
-        "limits": {"max_sessions": MAX_SESSIONS},
+        "limits": {"max_sessions": MAX_SESSIONS, "operator_reserve": 0},  # root (tests) is an operator
     }
     d = start_daemon(cfg, workdir=workdir, name="ctl")
     holder = Client(d.socket_path, client="holder", timeout=10)

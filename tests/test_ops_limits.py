@@ -44,6 +44,8 @@ def _config(**limits: Any) -> dict[str, Any]:
             "max_inflight_per_session": MAX_INFLIGHT,
             "max_blocks_per_session": MAX_BLOCKS,
             "max_frame_size": MAX_FRAME,
+            # the tests run as root, an operator: no reserve, so the limits apply to them too
+            "operator_reserve": 0,
             **limits,
         },
     }

@@ -370,7 +370,7 @@ async def handshake_server(
     *,
     node: str,
     secret: bytes,
-    local_welcome_payload: PeerWelcome,
+    local_welcome_payload: PeerWelcome | Callable[[], PeerWelcome],
     timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
     version: int = PEER_PROTOCOL_VERSION,
     max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
@@ -378,7 +378,9 @@ async def handshake_server(
     """Authenticate a connecting daemon; returns its node name and welcome.
 
     Same errors as :func:`handshake_client`. Before the peer has proved the secret, frames
-    are limited to :data:`~protocol.peer.PRE_AUTH_MAX_FRAME_SIZE`.
+    are limited to :data:`~protocol.peer.PRE_AUTH_MAX_FRAME_SIZE`. ``local_welcome_payload``
+    may be a callable: it is then only called once the peer has authenticated (building a
+    welcome asks NIXL for its metadata; a stranger must not make us do that).
     """
     conn = _as_conn(stream, max_frame_size)
     full = conn.max_frame_size
@@ -427,7 +429,8 @@ async def handshake_server(
                 raise fail
             conn.remote_node = hello.node
             conn.max_frame_size = full
-            await conn.send(msgspec.structs.replace(local_welcome_payload, node=node))
+            ours = local_welcome_payload() if callable(local_welcome_payload) else local_welcome_payload
+            await conn.send(msgspec.structs.replace(ours, node=node))
             welcome = await _expect(conn, PeerWelcome)
             if welcome.node != hello.node:
                 raise ProtocolError(f"peer {hello.node!r} sent a welcome for {welcome.node!r}")
@@ -586,11 +589,14 @@ async def accept_peer(
     *,
     node: str,
     secret: bytes,
-    welcome: PeerWelcome,
+    welcome: PeerWelcome | Callable[[], PeerWelcome],
     handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
     max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
 ) -> PeerConnection:
-    """Authenticate an accepted stream (a ``trio.serve_tcp`` handler's); closed on failure."""
+    """Authenticate an accepted stream (a ``trio.serve_tcp`` handler's); closed on failure.
+
+    ``welcome`` may be a callable, called only after the peer authenticated.
+    """
     conn = PeerConnection(stream, max_frame_size=max_frame_size)
     try:
         await handshake_server(

@@ -209,6 +209,15 @@ class Engine:
         """Return once no transfer is running."""
         await self._idle.wait()
 
+    # The drain (kvd.server) uses these two; the transfer-core rebuild keeps their meaning.
+    def inflight(self) -> list[str]:
+        """Request ids of the transfers running now (sorted): what a drain waits for."""
+        return sorted({rid for rid, _role in self._tasks})
+
+    async def wait_idle(self) -> None:
+        """Return once no transfer is running (at once when none is)."""
+        await self._idle.wait()
+
     # -- stats ------------------------------------------------------------------------------
     def active_count(self) -> int:
         return len(self._tasks)
