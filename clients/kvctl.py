@@ -268,9 +268,14 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exc:
         return EXIT_USAGE if exc.code else EXIT_OK
     try:
-        if args.command == "ping" and args.wait:
-            return _ping_until_up(args)
-        return run(args)
+        code = _ping_until_up(args) if args.command == "ping" and args.wait else run(args)
+        sys.stdout.flush()  # here, not at exit: a reader that went away is handled below
+        return code
+    except BrokenPipeError:
+        # The reader closed the pipe (kvctl transfers | grep -q req-1, | head): it has what it
+        # wanted, so no traceback and exit 0 (a script with pipefail must not fail on it).
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_OK
     except ConnectionClosed as exc:
         hint = f"; {_unreachable_hint(args.socket or default_socket_path())}" if "cannot connect to kvd" in str(exc) else ""
         print(f"kvctl: {exc}{hint}", file=sys.stderr)

@@ -237,6 +237,21 @@ def test_unreachable_for_lack_of_permission_says_why(daemon_factory: Callable[..
     assert "this user may not open the socket: kvd lets in root, its own user and members of its group" in run.stderr
 
 
+def test_a_reader_that_closes_the_pipe_is_not_an_error(served: Any) -> None:
+    """kvctl transfers | grep -q req-1: grep exits at its first match and closes the pipe; kvctl
+    must end quietly with 0 (no BrokenPipeError traceback, no failure under pipefail)."""
+    d, _holder, _layout = served
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before kvctl writes a byte: every write gets EPIPE
+    try:
+        run = subprocess.run([sys.executable, "-m", "clients.kvctl", "-s", d.socket_path, "config"],
+                             stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=60)
+    finally:
+        os.close(write_end)
+    assert run.returncode == 0, run.stderr
+    assert run.stderr == ""
+
+
 def test_drain(daemon_factory: Callable[..., DaemonProcess]) -> None:
     d = daemon_factory(name="drainme")
     run = kvctl("drain", socket=d.socket_path)
