@@ -89,24 +89,6 @@ async def test_deadline_expiry_when_gen_never_expects(daemon_factory: Factory, s
     await assert_clean(pair.ctx, pair.gen)
 
 
-async def test_misspelt_peer_fails_at_the_deadline_naming_the_known_peers(
-    daemon_factory: Factory, short_tmp: Path
-) -> None:
-    """publish(peer="gne") for "gen": nothing to dial, nothing ever connects; the error at the
-    deadline names the peers that do exist, so the typo shows."""
-    pair = start_pair(daemon_factory, short_tmp, CTX, GEN)
-    async with open_client(pair.ctx.socket_path, client="ctx0") as c:
-        await wait_for_peer(c)
-        ids = await c.alloc("ctx0", 4)
-        await c.publish("r-typo", "ctx0", CTX, 0, ids, peer="gne", deadline_s=1.0)
-        with pytest.raises(PeerUnavailable) as info:
-            await c.wait("r-typo")
-    message = str(info.value)
-    assert "no link to peer 'gne' (it never connected, and it is not in this daemon's [[peers]]: gen;" in message
-    assert "connected: gen; peer= is the other daemon's node name)" in message
-    await assert_clean(pair.ctx, pair.gen)
-
-
 async def test_peer_without_the_secret_is_refused(daemon_factory: Factory, short_tmp: Path) -> None:
     gen_secret = write_secret(short_tmp, "gen.secret")
     ctx_secret = write_secret(short_tmp, "ctx.secret")

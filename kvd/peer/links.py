@@ -131,18 +131,7 @@ class PeerLinks:
     def describe_missing(self, node: str) -> str:
         """Why there is no link to ``node`` (for error messages)."""
         why = self.last_error.get(node)
-        if why:
-            return f"no link to peer {node!r} (last attempt: {why})"
-        configured = sorted(peer.name for peer in self.config.peers)
-        if node in configured:
-            return f"no link to peer {node!r} (it never connected)"
-        # Neither ours to dial nor ever heard from: most often a misspelt peer= (it must be the
-        # other daemon's node name). Name the ones that exist so the typo is visible.
-        return (
-            f"no link to peer {node!r} (it never connected, and it is not in this daemon's [[peers]]: "
-            f"{', '.join(configured) or 'none'}; connected: {', '.join(sorted(self.links)) or 'none'}; "
-            "peer= is the other daemon's node name)"
-        )
+        return f"no link to peer {node!r}" + (f" (last attempt: {why})" if why else " (it never connected)")
 
     def welcome(self) -> PeerWelcome:
         t = self.transport
