@@ -15,6 +15,19 @@ the daemons, hand out receive credits and report the outcome:
     XferDone(writes, bytes)              ──▶
                                          ◀──   XferComplete(bytes)
     XferFail(code, message) either way, at any point.
+
+When the gen executors name their ctx peer (``expect(..., peer=...)``) the gen daemon sends
+its destination unasked as soon as every gen rank registered, with receive slots granted up
+front; a ``publish`` that finds it moves bytes with zero peer round trips::
+
+                                         ◀──   XferAnnounce(layout, blocks, pools, slots, deadline)
+    XferPath(path, ctx layout, ctx blocks) ──▶   (gen plans the same regroup for its scatters)
+    NIXL writes / mapped copies
+    XferDone(writes, bytes)              ──▶   gen done once it saw ``writes`` notifications
+
+A side that fails sends one ``XferFail``; ctx sends it only once none of its writes can land
+(``writes_stopped``), and gen reports failure (and frees its blocks) only after that. The
+per-request rules live in :mod:`protocol.transfer_fsm`.
 """
 
 from __future__ import annotations
@@ -51,6 +64,17 @@ class XferAccept(XferMessage, frozen=True, tag="xfer_accept"):
     pool_names: dict[int, str] = {}  # gen rank -> pool name (for the same-node mapped path)
 
 
+class XferAnnounce(XferMessage, frozen=True, tag="xfer_announce"):
+    """gen's destination, sent unasked once every gen rank registered with ``peer=``."""
+
+    layout: KVLayout
+    blocks: dict[int, list[int]]
+    pools: dict[int, RemoteRegion]
+    pool_names: dict[int, str] = {}
+    slots: list[int] = []  # receive slots granted up front (bounce path)
+    deadline_s: float = 0.0  # seconds left on the gen side when sent (0 = ctx's own deadline)
+
+
 class XferGrant(XferMessage, frozen=True, tag="xfer_grant"):
     slot: int
 
@@ -61,6 +85,9 @@ class XferPath(XferMessage, frozen=True, tag="xfer_path"):
 
     path: str
     reason: str = ""
+    # the ctx side's layout and blocks, when gen announced its destination and got no offer
+    layout: KVLayout | None = None
+    blocks: dict[int, list[int]] = {}
 
 
 class XferDone(XferMessage, frozen=True, tag="xfer_done"):
@@ -76,9 +103,11 @@ class XferComplete(XferMessage, frozen=True, tag="xfer_complete"):
 class XferFail(XferMessage, frozen=True, tag="xfer_fail"):
     code: str
     message: str
+    writes_stopped: bool = True  # none of the sender's writes into the receiver can land any more
+    sender: str = ""  # "ctx" | "gen": the side that failed ("" from older daemons)
 
 
-XFER_MESSAGES = (XferOffer, XferAccept, XferGrant, XferPath, XferDone, XferComplete, XferFail)
+XFER_MESSAGES = (XferOffer, XferAccept, XferAnnounce, XferGrant, XferPath, XferDone, XferComplete, XferFail)
 
 
 class Notif(msgspec.Struct, frozen=True, array_like=True):
