@@ -13,7 +13,7 @@ def _serve(args: argparse.Namespace) -> int:
     import trio
 
     from kvd.config import load_config
-    from kvd.logs import configure_logging
+    from kvd.ops.logs import configure_logging
     from kvd.server import serve
 
     config = load_config(args.config)
@@ -38,15 +38,15 @@ def main(argv: list[str] | None = None) -> int:
                 parser.error(f"unrecognized arguments: {' '.join(rest)}")
             return _serve(args)
         if args.command == "demo":
-            from kvd.demo import main as demo_main
+            from kvd.demo.pair import main as demo_main
 
             return demo_main(rest)
         if args.what == "ipc":
-            from kvd.bench_ipc import main as bench_main
+            from kvd.bench.ipc import main as bench_main
         elif args.what == "regroup":
-            from kvd.bench_regroup import main as bench_main
+            from kvd.bench.regroup import main as bench_main
         else:
-            from kvd.bench_transfer import main as bench_main
+            from kvd.bench.transfer import main as bench_main
         return bench_main(rest)
     except KvdError as exc:
         print(f"kvd: error: {exc}", file=sys.stderr)

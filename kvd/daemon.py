@@ -23,11 +23,11 @@ from protocol import messages as m
 from protocol.errors import BadRequest, Draining, LimitExceeded, NotFound
 
 if TYPE_CHECKING:
-    from kvd.engine import Engine
-    from kvd.metrics import Metrics
-    from kvd.peercred import AccessPolicy
+    from kvd.executor.peercred import AccessPolicy
+    from kvd.executor.session import Session
+    from kvd.ops.metrics import Metrics
     from kvd.pool import Pool
-    from kvd.session import Session
+    from kvd.transfer.engine import Engine
 
 log = structlog.get_logger("kvd.daemon")
 

@@ -21,11 +21,11 @@ import trio
 
 from kvd.config import Config
 from kvd.daemon import Daemon, check_limits
-from kvd.metrics import Metrics, serve_metrics
-from kvd.notify import Notifier, run_watchdog
-from kvd.peercred import AccessPolicy
-from kvd.session import handle_connection
-from kvd.unix_listener import open_unix_listener
+from kvd.executor.listener import open_unix_listener
+from kvd.executor.peercred import AccessPolicy
+from kvd.executor.session import handle_connection
+from kvd.ops.metrics import Metrics, serve_metrics
+from kvd.ops.notify import Notifier, run_watchdog
 
 log = structlog.get_logger("kvd.server")
 
@@ -56,8 +56,8 @@ async def serve(
     task_status: trio.TaskStatus[Daemon] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run the daemon until it is asked to stop."""
-    from kvd.engine import Engine
     from kvd.pool import create_pools
+    from kvd.transfer.engine import Engine
 
     env = os.environ if env is None else env
     check_limits(config.limits)

@@ -4,7 +4,7 @@ A :class:`KVLayout` says how one side (ctx or gen) of a transfer holds a model's
 the model geometry (layers, KV heads, head_dim, tokens per block, dtype), the parallel
 layout (TP, PP, attention DP, an optional uneven PP ``layer_split``), the axis order of each
 rank's pool (C-contiguous) and the number of blocks in each rank's pool. It crosses the wire
-inside ``Expect``/``Publish`` and is the planner's input (``kvd.plan.KVLayout`` is this class).
+inside ``Expect``/``Publish`` and is the planner's input (``kvd.regroup.plan.KVLayout`` is this class).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ import pytest
 # Tests talk to loopback only: UCX would otherwise also use the machine's other interfaces.
 os.environ["UCX_NET_DEVICES"] = "lo"
 
-from kvd.launch import DaemonProcess, start_daemon
+from kvd.demo.launch import DaemonProcess, start_daemon
 
 
 @pytest.fixture

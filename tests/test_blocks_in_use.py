@@ -8,7 +8,7 @@ from collections.abc import Callable
 import pytest
 
 from clients import open_client
-from kvd.launch import DaemonProcess
+from kvd.demo.launch import DaemonProcess
 from protocol.errors import BlocksInUse, TransferCancelled
 from protocol.layout import KVLayout
 from tests.conftest import host_pool

@@ -7,9 +7,9 @@ import random
 import pytest
 import torch
 
-from kvd.boxcopy import copy_boxes, supports_box_copy, widest_view
-from kvd.gpu_pipeline import _box_view
-from kvd.plan import Plan, plan
+from kvd.regroup.boxcopy import copy_boxes, supports_box_copy, widest_view
+from kvd.regroup.gpu_pipeline import _box_view
+from kvd.regroup.plan import Plan, plan
 from protocol.layout import VLLM_AXIS_ORDER, KVLayout
 
 GEO = {"num_layers": 6, "num_kv_heads": 4, "head_dim": 8, "tokens_per_block": 4, "dtype": "bfloat16", "num_blocks": 12}
@@ -89,7 +89,7 @@ def test_parallel_box_copy_matches_plan(case: str) -> None:
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_box_bounce_chunks_match_plan(case: str) -> None:
     """gather_box -> slot -> scatter_box, chunk by chunk (slots smaller than a pair's blocks)."""
-    from kvd.boxbounce import box_chunks, fits, gather_box, scatter_box
+    from kvd.regroup.boxbounce import box_chunks, fits, gather_box, scatter_box
 
     p, src, ref, dst = _setup(case)
     chunk = 3 * max(1, p.total_bytes() // max(1, sum(len(p.ctx_blocks[s]) for s, _ in p.pairs())))

@@ -26,7 +26,7 @@ import pytest
 import trio
 
 from clients import Client, open_client
-from kvd.launch import DaemonProcess, LaunchError, start_daemon
+from kvd.demo.launch import DaemonProcess, LaunchError, start_daemon
 from protocol import messages as m
 from protocol.codec import decode_reply, encode
 from protocol.errors import (

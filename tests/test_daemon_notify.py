@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 
 from clients import Client
-from kvd.launch import DaemonProcess
+from kvd.demo.launch import DaemonProcess
 
 
 def _parse(datagram: str) -> dict[str, str]:

@@ -32,7 +32,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvd.launch import DaemonProcess, start_daemon
+from kvd.demo.launch import DaemonProcess, start_daemon
 from protocol import messages as m
 from protocol.codec import decode_reply, decode_request, encode, request_id_of
 from protocol.errors import ERRORS_BY_CODE, FrameTooLarge, KvdError

@@ -1,4 +1,4 @@
-"""kvd.gpu_copy on the CPU: grouping fragments into 2D copies, the raw struct layouts, errors.
+"""kvd.regroup.gpu_copy on the CPU: grouping fragments into 2D copies, the raw struct layouts, errors.
 
 The GPU runs of the same copies are in tests/gpu/test_gpu_copy.py. Here the copy tables are
 executed by a numpy model of ``cuMemcpy2D`` (row ``j`` of a copy moves ``width`` bytes from
@@ -18,8 +18,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvd import gpu_copy
-from kvd.gpu_copy import (
+from kvd.regroup import gpu_copy
+from kvd.regroup.gpu_copy import (
     DST,
     DST_PITCH,
     HEIGHT,
@@ -32,8 +32,8 @@ from kvd.gpu_copy import (
     group_2d,
     pair_copies,
 )
-from kvd.plan import KVLayout, Plan, plan
-from kvd.stager import schedule
+from kvd.regroup.plan import KVLayout, Plan, plan
+from kvd.regroup.stager import schedule
 from protocol.errors import TransferError
 from protocol.layout import VLLM_AXIS_ORDER
 
@@ -330,7 +330,7 @@ def test_check_raises_transfer_error_with_cuda_name() -> None:
 
 
 def test_import_does_not_load_cuda() -> None:
-    code = "import sys, kvd.gpu_copy; sys.exit('cuda.bindings.driver' in sys.modules)"
+    code = "import sys, kvd.regroup.gpu_copy; sys.exit('cuda.bindings.driver' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
 
 

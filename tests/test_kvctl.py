@@ -18,7 +18,7 @@ import pytest
 
 from clients import Client
 from clients.kvctl import _bar, _transfer_rows
-from kvd.launch import DaemonProcess, start_daemon
+from kvd.demo.launch import DaemonProcess, start_daemon
 from protocol import messages as m
 from protocol.layout import KVLayout
 from tests.conftest import host_pool

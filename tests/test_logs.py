@@ -1,4 +1,4 @@
-"""kvd.logs: JSON lines, console on a tty, contextvars, level filtering, idempotence."""
+"""kvd.ops.logs: JSON lines, console on a tty, contextvars, level filtering, idempotence."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 import structlog
 from structlog.testing import capture_logs
 
-from kvd.logs import configure_logging, get_logger, reset_logging
+from kvd.ops.logs import configure_logging, get_logger, reset_logging
 
 ISO_UTC = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?Z$")
 
@@ -80,7 +80,7 @@ def test_console_format() -> None:
 def test_contextvars_appear() -> None:
     out = io.StringIO()
     configure_logging("json", "info", stream=out)
-    log = get_logger("kvd.session")
+    log = get_logger("kvd.executor.session")
     structlog.contextvars.bind_contextvars(request_id="req-42", session=7)
     log.info("transfer.start")
     structlog.contextvars.unbind_contextvars("request_id")

@@ -1,4 +1,4 @@
-"""kvd.metrics: a dedicated registry per daemon, scraped over real HTTP on 127.0.0.1."""
+"""kvd.ops.metrics: a dedicated registry per daemon, scraped over real HTTP on 127.0.0.1."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 from structlog.testing import capture_logs
 
-from kvd.metrics import CONTENT_TYPE_LATEST, Metrics, serve_metrics
+from kvd.ops.metrics import CONTENT_TYPE_LATEST, Metrics, serve_metrics
 
 
 def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

@@ -1,4 +1,4 @@
-"""kvd.notify against a real AF_UNIX datagram socket standing in for systemd."""
+"""kvd.ops.notify against a real AF_UNIX datagram socket standing in for systemd."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 import trio
 from structlog.testing import capture_logs
 
-from kvd.notify import Notifier, run_watchdog
+from kvd.ops.notify import Notifier, run_watchdog
 
 
 class Manager:

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from clients import Client
-from kvd.launch import DaemonProcess
+from kvd.demo.launch import DaemonProcess
 from tests.conftest import host_pool
 
 NOBODY = 65534

@@ -22,7 +22,7 @@ from clients import Client, open_client
 from clients.client import AsyncClient
 from kvd.config import config_from_dict
 from kvd.daemon import check_limits
-from kvd.launch import DaemonProcess, LaunchError, start_daemon
+from kvd.demo.launch import DaemonProcess, LaunchError, start_daemon
 from protocol import messages as m
 from protocol.codec import encode
 from protocol.errors import BadRequest, FrameTooLarge, LimitExceeded

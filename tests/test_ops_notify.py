@@ -1,5 +1,5 @@
 """Issue 7, systemd integration at the daemon level: a real daemon and a real NOTIFY_SOCKET
-(the one ``kvd.launch`` binds, as systemd would), with ``WATCHDOG_USEC`` set."""
+(the one ``kvd.demo.launch`` binds, as systemd would), with ``WATCHDOG_USEC`` set."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import signal
 import time
 from collections.abc import Callable
 
-from kvd.launch import DaemonProcess
+from kvd.demo.launch import DaemonProcess
 
 WATCHDOG_USEC = 400_000  # → a keep-alive every 0.2 s
 

@@ -3,7 +3,7 @@ Prometheus endpoint moving with real traffic, and docs/events.md naming every ev
 
 Real daemons (subprocesses, JSON logs) and real transfers: a local regroup (ctx TP1 → gen
 TP2 pools on one daemon, path ``local``) and one between two daemons over their peer link
-(``kvd.demo.start_pair``). The log lines are checked field by field against the
+(``kvd.demo.pair.start_pair``). The log lines are checked field by field against the
 ``Completion`` each executor got back.
 """
 
@@ -23,8 +23,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from clients import Client
-from kvd.demo import GEOMETRY, start_pair
-from kvd.launch import DaemonProcess
+from kvd.demo.launch import DaemonProcess
+from kvd.demo.pair import GEOMETRY, start_pair
 from protocol.errors import TransferTimeout
 from protocol.layout import KVLayout
 from protocol.messages import Completion

@@ -1,4 +1,4 @@
-"""kvd.peercred: SO_PEERCRED on real Unix sockets, the access policy, a real foreign uid."""
+"""kvd.executor.peercred: SO_PEERCRED on real Unix sockets, the access policy, a real foreign uid."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import pytest
 import trio
 
 from kvd.config import AccessConfig
-from kvd.peercred import AccessPolicy, Creds, peer_credentials, supplementary_groups
+from kvd.executor.peercred import AccessPolicy, Creds, peer_credentials, supplementary_groups
 from protocol.errors import PermissionDenied
 
 NOBODY = 65534  # the overflow uid/gid; "nobody"/"nogroup" on Debian

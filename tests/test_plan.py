@@ -20,8 +20,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvd.plan import KVLayout, plan
-from kvd.stager import gather, scatter, schedule
+from kvd.regroup.plan import KVLayout, plan
+from kvd.regroup.stager import gather, scatter, schedule
 from protocol.errors import BadRequest, IncompatibleLayout
 from protocol.layout import TRTLLM_AXIS_ORDER, VLLM_AXIS_ORDER
 
@@ -331,10 +331,10 @@ def test_empty_request_moves_nothing() -> None:
 
 
 def test_reexports_layout() -> None:
-    import kvd.plan
+    import kvd.regroup.plan
     import protocol.layout
 
-    assert kvd.plan.KVLayout is protocol.layout.KVLayout
+    assert kvd.regroup.plan.KVLayout is protocol.layout.KVLayout
 
 
 # -- rejections --------------------------------------------------------------------------------

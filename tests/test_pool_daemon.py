@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 from clients import Client
-from kvd.launch import DaemonProcess, start_daemon
+from kvd.demo.launch import DaemonProcess, start_daemon
 from protocol import messages as m
 from protocol.errors import BadRequest, BlockNotLeased, LimitExceeded, OutOfBlocks
 

@@ -23,7 +23,7 @@ import trio
 
 from clients import open_client
 from clients.client import AsyncClient
-from kvd.launch import start_daemon
+from kvd.demo.launch import start_daemon
 from protocol.errors import NotFound, OutOfBlocks, TransferCancelled, TransferTimeout
 from protocol.layout import KVLayout
 from tests.conftest import host_pool

@@ -15,8 +15,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvd.plan import KVLayout, plan
-from kvd.stager import Chunk, Stager, _copy2d, _cut, elem_width, gather, scatter, schedule
+from kvd.regroup.plan import KVLayout, plan
+from kvd.regroup.stager import Chunk, Stager, _copy2d, _cut, elem_width, gather, scatter, schedule
 
 I64 = npt.NDArray[np.int64]
 

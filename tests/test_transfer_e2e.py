@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from kvd.launch import DaemonProcess
+from kvd.demo.launch import DaemonProcess
 from protocol.layout import VLLM_AXIS_ORDER, KVLayout
 from tests.transfer_harness import assert_exact, run_transfer, start_pair
 

@@ -15,7 +15,7 @@ import pytest
 import trio
 
 from clients import open_client
-from kvd.launch import DaemonProcess
+from kvd.demo.launch import DaemonProcess
 from protocol.errors import KvdError, PeerUnavailable, TransferCancelled, TransferTimeout
 from protocol.layout import KVLayout
 from tests.transfer_harness import assert_exact, run_transfer, start_pair, wait_for_peer, write_secret

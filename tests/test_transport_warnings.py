@@ -5,7 +5,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
-from kvd.transport_setup import device_transport_warnings
+from kvd.transport.setup import device_transport_warnings
 
 
 def _daemon(*pools: tuple[str, int, str]) -> Any:

@@ -19,8 +19,8 @@ import trio
 
 from clients import open_client
 from clients.client import AsyncClient
-from kvd.launch import DaemonProcess
-from kvd.plan import plan
+from kvd.demo.launch import DaemonProcess
+from kvd.regroup.plan import plan
 from protocol.layout import KVLayout
 from protocol.messages import Completion
 

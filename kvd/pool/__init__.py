@@ -8,9 +8,9 @@ DESIGN.md ("Pool memory policy"); :class:`Pool` ties memory, layout and
 machine never touches the driver.
 """
 
+from kvd.mapping.cuda import CudaCallError
 from kvd.pool.base import HANDLE_KIND_OF, MEMORY_KINDS, ExportedHandle, HandleKind, MemoryKind, PoolMemory
 from kvd.pool.blocks import BlockAllocator
-from kvd.pool.cuda import CudaCallError
 from kvd.pool.device import DeviceMemory
 from kvd.pool.fabric import FabricMemory, probe_fabric
 from kvd.pool.host import HostMemory
@@ -23,7 +23,7 @@ from kvd.pool.policy import (
     decide,
     env_fabric_setting,
 )
-from kvd.pool.pool import Pool, create_pools, torch_dtype, typed_view
+from kvd.pool.pool import Pool, create_pools
 from kvd.pool.posix_fd import PosixFdMemory
 
 __all__ = [
@@ -49,6 +49,4 @@ __all__ = [
     "decide",
     "env_fabric_setting",
     "probe_fabric",
-    "torch_dtype",
-    "typed_view",
 ]

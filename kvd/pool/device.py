@@ -4,7 +4,7 @@ The fallback when fabric memory is unavailable (DESIGN.md, "Pool memory policy")
 memory is what UCX cuda_ipc writes into at link speed, unlike POSIX-fd VMM memory. The whole
 pool is one driver allocation (not torch's caching allocator, whose blocks are sub-allocations
 that CUDA IPC cannot export on their own), exported with ``cuIpcGetMemHandle`` as a 64-byte
-handle; executors open it with ``cuIpcOpenMemHandle`` (see :mod:`clients.attach`).
+handle; executors open it with ``cuIpcOpenMemHandle`` (see :mod:`kvd.mapping.attach`).
 
 After :meth:`DeviceMemory.close` the memory is freed: tensor views must not be used.
 """
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from kvd.pool import cuda
+from kvd.mapping import cuda
 from kvd.pool.base import ExportedHandle, PoolMemory, check_nbytes
 from protocol.errors import PoolError
 

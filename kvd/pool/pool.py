@@ -8,32 +8,13 @@ from typing import Any
 import torch
 
 from kvd.config import PoolConfig
+from kvd.mapping.views import typed_view
 from kvd.pool.base import PoolMemory
 from kvd.pool.blocks import BlockAllocator
 from kvd.pool.policy import choose_and_create
 from protocol.errors import BadRequest, PoolError
 from protocol.layout import KVLayout
 from protocol.messages import Attached, PoolInfo
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    """The torch dtype named ``name`` (a :data:`protocol.layout.DTYPE_SIZES` key)."""
-    dt = getattr(torch, name, None)
-    if not isinstance(dt, torch.dtype):
-        raise BadRequest(f"unknown dtype {name!r}")
-    return dt
-
-
-def typed_view(raw: torch.Tensor, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
-    """View the uint8 tensor ``raw`` as ``dtype`` with ``shape`` (zero-copy)."""
-    dt = torch_dtype(dtype)
-    itemsize = torch.empty((), dtype=dt).element_size()
-    need = itemsize
-    for n in shape:
-        need *= n
-    if raw.numel() < need:
-        raise PoolError(f"pool memory holds {raw.numel()} bytes, shape {shape} of {dtype} needs {need}")
-    return raw[:need].view(dt).view(shape)
 
 
 class Pool:

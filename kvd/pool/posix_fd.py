@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from kvd.pool import cuda
+from kvd.mapping import cuda
 from kvd.pool.base import ExportedHandle
 from kvd.pool.vmm import VmmMemory
 from protocol.errors import PoolError

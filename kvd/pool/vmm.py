@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from kvd.pool import cuda
+from kvd.mapping import cuda
 from kvd.pool.base import PoolMemory, check_nbytes
 from protocol.errors import PoolError
 

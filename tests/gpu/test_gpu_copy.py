@@ -1,4 +1,4 @@
-"""kvd.gpu_copy on real GPUs: the copy-engine regroup equals Plan.apply byte for byte.
+"""kvd.regroup.gpu_copy on real GPUs: the copy-engine regroup equals Plan.apply byte for byte.
 
 Small GPT-OSS-like geometry (8 KV heads, head_dim 64, bf16, 16 tokens a block, a few layers),
 random block ids; TP1 -> TP4, TP4 -> TP1, PP2 -> PP1, equal layouts, vLLM order, mixed
@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 import torch
 
-from kvd import gpu_copy as gc
-from kvd.plan import KVLayout, Plan, plan
-from kvd.stager import schedule
+from kvd.regroup import gpu_copy as gc
+from kvd.regroup.plan import KVLayout, Plan, plan
+from kvd.regroup.stager import schedule
 from protocol.errors import TransferError
 from protocol.layout import VLLM_AXIS_ORDER
 

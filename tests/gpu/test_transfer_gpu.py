@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvd.launch import DaemonProcess
+from kvd.demo.launch import DaemonProcess
 from protocol.layout import KVLayout
 from tests.transfer_harness import assert_exact, run_transfer, start_pair
 

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from clients.blocking import Client
-from kvd.launch import DaemonProcess, start_daemon
+from kvd.demo.launch import DaemonProcess, start_daemon
 from protocol.layout import KVLayout
 from protocol.messages import Completion
 

@@ -27,7 +27,7 @@ from pathlib import Path
 import msgspec
 import trio
 
-from kvd.launch import DaemonProcess, start_daemon
+from kvd.demo.launch import DaemonProcess, start_daemon
 
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 

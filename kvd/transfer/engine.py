@@ -1,6 +1,6 @@
 """The transfer engine: matches requests across daemons and moves their KV.
 
-For each request this daemon holds one or two :class:`~kvd.requests.Side` objects (ctx and/or
+For each request this daemon holds one or two :class:`~kvd.transfer.requests.Side` objects (ctx and/or
 gen). Once a side is complete (every participating rank registered):
 
 - ctx and gen on this same daemon (``peer`` = own node): the plan is applied locally
@@ -30,12 +30,12 @@ import structlog
 import torch
 import trio
 
-from kvd import boxbounce
-from kvd.boxcopy import copy_boxes, supports_box_copy
-from kvd.plan import KVLayout, Plan, plan
-from kvd.requests import Role, Side, add_registration
-from kvd.slots import SlotPool
-from kvd.stager import Chunk, gather, scatter, schedule
+from kvd.regroup import boxbounce
+from kvd.regroup.boxcopy import copy_boxes, supports_box_copy
+from kvd.regroup.plan import KVLayout, Plan, plan
+from kvd.regroup.stager import Chunk, gather, scatter, schedule
+from kvd.transfer.requests import Role, Side, add_registration
+from kvd.transfer.slots import SlotPool
 from protocol import messages as m
 from protocol import transfer as x
 from protocol.errors import (
@@ -52,9 +52,9 @@ from protocol.errors import (
 
 if TYPE_CHECKING:
     from kvd.daemon import Daemon
-    from kvd.links import PeerLink, PeerLinks
+    from kvd.executor.session import Session
+    from kvd.peer.links import PeerLink, PeerLinks
     from kvd.pool import Pool
-    from kvd.session import Session
     from kvd.transport import NixlAgent
 
 log = structlog.get_logger("kvd.transfer")
@@ -183,9 +183,9 @@ class Engine:
     # -- lifecycle --------------------------------------------------------------------------
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Bring up NIXL and the peer links; then serve transfers until cancelled."""
-        from kvd.links import PeerLinks
+        from kvd.peer.links import PeerLinks
         from kvd.transport import poll_notifications
-        from kvd.transport_setup import setup_transport
+        from kvd.transport.setup import setup_transport
 
         transport = await trio.to_thread.run_sync(partial(setup_transport, self.daemon, self.chunk_bytes, self.recv_slots.count))
         self.nixl, self.recv_region, self.send_region = transport.agent, transport.recv, transport.send
@@ -534,7 +534,7 @@ class Engine:
         side.state = "copying"
         src_any = next(iter(side.parts.values())).pool
         if src_any.device >= 0 and boxbounce.fits(p, self.cfg.gpu_chunk_mb << 20):  # boxes: 3 kernels a chunk
-            from kvd.gpu_pipeline import pipelined_box_regroup
+            from kvd.regroup.gpu_pipeline import pipelined_box_regroup
 
             side.chunks_total = len(p.pairs())
             src_t = {r: part.pool.tensor() for r, part in side.parts.items()}
@@ -548,7 +548,7 @@ class Engine:
             side.stages.update({f"gpu_{k}": round(v, 6) for k, v in timings.items()})
             return
         if src_any.device >= 0:  # GPU pools: gather / NVLink copy / scatter on CUDA streams
-            from kvd.gpu_pipeline import pipelined_regroup
+            from kvd.regroup.gpu_pipeline import pipelined_regroup
 
             sched = await trio.to_thread.run_sync(partial(schedule, p, chunk_bytes=self.chunk_bytes))
             side.mark("scheduled")

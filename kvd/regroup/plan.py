@@ -548,7 +548,7 @@ class FragmentCopier:
             return
         import torch
 
-        from kvd.stager import elem_width, torch_rows  # torch only where torch pools are used
+        from kvd.regroup.stager import elem_width, torch_rows  # torch only where torch pools are used
 
         w = elem_width(r, src_pool, dst_pool)
         src_t = torch_rows(src_pool, r, w)

@@ -22,10 +22,10 @@ from protocol.errors import BadRequest, KvdError, PeerUnavailable
 from protocol.peer import PeerWelcome, PoolDesc, RegionDesc, register_peer_messages
 
 if TYPE_CHECKING:
-    from clients.attach import MappedPool
-    from kvd.engine import Engine
+    from kvd.mapping.attach import MappedPool
     from kvd.peer import PeerConnection
-    from kvd.transport_setup import Transport
+    from kvd.transfer.engine import Engine
+    from kvd.transport.setup import Transport
 
 log = structlog.get_logger("kvd.peer")
 

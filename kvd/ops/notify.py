@@ -28,7 +28,7 @@ from collections.abc import Mapping
 
 import trio
 
-from kvd.logs import get_logger
+from kvd.ops.logs import get_logger
 
 __all__ = ["Notifier", "run_watchdog"]
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import structlog
 import trio
 
-from kvd.fdpass import send_with_fds
+from kvd.executor.fdpass import send_with_fds
 from protocol import messages as m
 from protocol.codec import decode_request, encode, request_id_of
 from protocol.errors import (
@@ -36,7 +36,7 @@ from protocol.framing import FrameBuffer
 if TYPE_CHECKING:
     from kvd.daemon import Daemon
 
-log = structlog.get_logger("kvd.session")
+log = structlog.get_logger("kvd.executor.session")
 
 _session_ids = itertools.count(1)
 
@@ -127,7 +127,7 @@ class SessionConnection:
 
 async def handle_connection(daemon: Daemon, stream: trio.SocketStream) -> None:
     """Serve one client connection until it closes; never raises for client faults."""
-    from kvd.peercred import peer_credentials
+    from kvd.executor.peercred import peer_credentials
 
     try:
         creds = peer_credentials(stream.socket)

@@ -24,9 +24,9 @@ import time
 
 import torch
 
-from kvd.boxcopy import widest_view
-from kvd.plan import Plan
-from kvd.stager import BounceSchedule, gather, scatter
+from kvd.regroup.boxcopy import widest_view
+from kvd.regroup.plan import Plan
+from kvd.regroup.stager import BounceSchedule, gather, scatter
 from protocol.layout import KVLayout
 
 BLOCK_FIRST = ("block", "layer", "kv", "head", "token", "dim")
@@ -142,7 +142,7 @@ def pipelined_box_regroup(
     ``index_copy_`` on the destination GPU — three kernels per chunk whatever the fragment count,
     with index tensors of one entry per block (no per-request index building). Pipelined on
     three streams as :func:`pipelined_regroup`. Needs equal ``tokens_per_block`` on both sides
-    (:func:`kvd.boxcopy.supports_box_copy`); pools are typed tensors shaped ``pool_shape(rank)``."""
+    (:func:`kvd.regroup.boxcopy.supports_box_copy`); pools are typed tensors shaped ``pool_shape(rank)``."""
     jobs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
     src_pools = {r: widest_view(t) for r, t in src_pools.items()}
     dst_pools = {r: widest_view(t) for r, t in dst_pools.items()}

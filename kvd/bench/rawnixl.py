@@ -5,7 +5,7 @@ descriptor, as 64 MiB descriptors, and as 16 KiB descriptors, host memory to hos
 UCX on loopback (``UCX_NET_DEVICES=lo``). The writer is a :class:`~kvd.transport.NixlAgent`
 in this process; the target is a :class:`~kvd.transport.peerproc.PeerProcess`.
 
-``python -m kvd.transport.rawbench [--size-mb 256] [--progress-thread] [--repeat 3]``
+``python -m kvd.bench.rawnixl [--size-mb 256] [--progress-thread] [--repeat 3]``
 """
 
 from __future__ import annotations
@@ -146,7 +146,7 @@ def run_suite(
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m kvd.transport.rawbench", description=__doc__.splitlines()[0]
+        prog="python -m kvd.bench.rawnixl", description=__doc__.splitlines()[0]
     )
     parser.add_argument("--size-mb", type=int, default=256)
     parser.add_argument("--progress-thread", action="store_true", help="enable NIXL's progress thread")

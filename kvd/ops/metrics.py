@@ -20,7 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from prometheus_client import generate_latest as _generate_latest
 from prometheus_client.process_collector import ProcessCollector
 
-from kvd.logs import get_logger
+from kvd.ops.logs import get_logger
 
 __all__ = [
     "CONTENT_TYPE_LATEST",

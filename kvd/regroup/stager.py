@@ -35,7 +35,7 @@ so gather uses ``index_select(out=)`` and scatter ``index_copy_``, both on int64
 (16-byte complex128 rows scatter 12% faster on CPU; not used, integer types are the safe
 choice for arbitrary bytes). Known gap: ``index_select`` on CUDA is slow for small rows
 (128-byte head vectors: 193 GB/s); the regroups that matter have rows of KiBs. End to end
-(``python -m kvd.bench_regroup``, GPT-OSS TP1 -> TP4, 576 MiB, 64 MiB chunks): H200 gather
+(``python -m kvd.bench.regroup``, GPT-OSS TP1 -> TP4, 576 MiB, 64 MiB chunks): H200 gather
 1590, scatter 1516, gather+scatter 799 GB/s (729 with 16 MiB chunks) vs a 1987 GB/s
 contiguous copy; CPU dev box
 gather ~10, scatter ~9, gather+scatter ~4.5 vs ~10 GB/s. Per call, a stager costs ~3 us of
@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, Literal
 import numpy as np
 import numpy.typing as npt
 
-from kvd.plan import Plan, row_indices, row_size
+from kvd.regroup.plan import Plan, row_indices, row_size
 
 if TYPE_CHECKING:
     import torch

@@ -3,7 +3,7 @@
 When both pools are addressable from this process (the same-node *mapped* path), the regroup
 of a (src rank, dst rank) pair is, for every request block, one strided copy of the pair's box
 (layers x K/V x heads x tokens x dim) from the source block into the destination block: each
-byte is read and written once (the fragment copier, :meth:`kvd.plan.Plan.apply`, gathers into
+byte is read and written once (the fragment copier, :meth:`kvd.regroup.plan.Plan.apply`, gathers into
 scratch and scatters out again, touching every byte twice). The copies are ``numpy.copyto`` on
 strided views, spread over a small thread pool (numpy releases the GIL): measured on the 2-core
 CI box, 288 MiB of GPT-OSS TP1 -> TP4: 8.3-8.8 GB/s with 2 workers, against 3.5 GB/s for
@@ -11,7 +11,7 @@ CI box, 288 MiB of GPT-OSS TP1 -> TP4: 8.3-8.8 GB/s with 2 workers, against 3.5 
 help in non-main threads) and 5.9 GB/s for a raw NIXL (UCX cma) write of the same bytes.
 
 Only for equal ``tokens_per_block`` (block i maps to block i); otherwise callers use the
-fragment copier. GPU pools go through :mod:`kvd.gpu_pipeline`.
+fragment copier. GPU pools go through :mod:`kvd.regroup.gpu_pipeline`.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from kvd.plan import Plan
+from kvd.regroup.plan import Plan
 from protocol.layout import KVLayout
 
 LOGICAL = ("layer", "kv", "head", "token", "dim")

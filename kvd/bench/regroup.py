@@ -1,4 +1,4 @@
-"""Benchmark the regroup path on the GPT-OSS-120B KV geometry: ``python -m kvd.bench_regroup``.
+"""Benchmark the regroup path on the GPT-OSS-120B KV geometry: ``python -m kvd.bench.regroup``.
 
 ctx TP1 -> gen TP4; 36 layers, 8 KV heads, head_dim 64, bf16, 32 tokens/block (2.25 MiB a
 block); ``--blocks 256`` (an 8k-token request, 576 MiB) scattered at random over pools of
@@ -11,7 +11,7 @@ block); ``--blocks 256`` (an 8k-token request, 576 MiB) scattered at random over
 - the direct path (:meth:`Plan.apply`, no bounce);
 - a plain contiguous copy of the same number of bytes in the same run, and the ratio.
 
-``--engine`` picks the torch path (above), the copy-engine path (:mod:`kvd.gpu_copy`: the same
+``--engine`` picks the torch path (above), the copy-engine path (:mod:`kvd.regroup.gpu_copy`: the same
 gather / scatter / direct regroup as 2D or batched memcpy on a copy stream, per submission
 method, checked byte for byte against the torch path, next to one contiguous ``cuMemcpyAsync``,
 plus a sweep of row width x rows per copy per method), or both (the default on CUDA).
@@ -34,8 +34,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvd.plan import KVLayout, plan
-from kvd.stager import gather, scatter, schedule
+from kvd.regroup.plan import KVLayout, plan
+from kvd.regroup.stager import gather, scatter, schedule
 
 if TYPE_CHECKING:
     import torch
@@ -74,7 +74,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--methods",
         default="all",
-        help="copy-engine submission methods, comma-separated (default: all available; see kvd.gpu_copy)",
+        help="copy-engine submission methods, comma-separated (default: all available; see kvd.regroup.gpu_copy)",
     )
     ap.add_argument(
         "--lanes",
@@ -298,9 +298,9 @@ def _box_paths(
     the one-pass regroup (GPU: the 3-stream pipeline; host: parallel strided block copies)."""
     import torch
 
-    from kvd import boxbounce
-    from kvd.boxcopy import copy_boxes
-    from kvd.plan import Plan
+    from kvd.regroup import boxbounce
+    from kvd.regroup.boxcopy import copy_boxes
+    from kvd.regroup.plan import Plan
 
     assert isinstance(p, Plan)
     chunk_bytes = args.chunk_mb << 20
@@ -321,7 +321,7 @@ def _box_paths(
             boxbounce.scatter_box(p, c, slot_dst, dst_t[c.dst])
 
     if device.type == "cuda":
-        from kvd.gpu_pipeline import pipelined_box_regroup
+        from kvd.regroup.gpu_pipeline import pipelined_box_regroup
 
         kind = "3-stream pipeline: index_select / copy / index_copy_"
 
@@ -369,7 +369,7 @@ def _copy_engine(
     (copy streams used at once); a contiguous copy; a sweep of copy shapes."""
     import torch
 
-    from kvd import gpu_copy as gc
+    from kvd.regroup import gpu_copy as gc
 
     dev, peer = int(device.index), int(dst_device.index)
     peer_ok = True

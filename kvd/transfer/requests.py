@@ -21,8 +21,8 @@ from protocol.errors import BadRequest, DuplicateRequest, IncompatibleLayout, Kv
 from protocol.layout import KVLayout
 
 if TYPE_CHECKING:
+    from kvd.executor.session import Session
     from kvd.pool import Pool
-    from kvd.session import Session
 
 Role = Literal["ctx", "gen"]
 

@@ -6,7 +6,7 @@ taking an SM from the model (DESIGN.md: one ``cuMemcpy2DAsync`` per gen rank, 8 
 module turns a plan's fragments, or a bounce chunk's pieces, into a few 2D copies and submits
 them on a :class:`CopyStream`:
 
-- :func:`gather_2d` / :func:`scatter_2d`: a :class:`~kvd.stager.Chunk` of the bounce schedule,
+- :func:`gather_2d` / :func:`scatter_2d`: a :class:`~kvd.regroup.stager.Chunk` of the bounce schedule,
   pool -> bounce region and bounce region -> pool;
 - :func:`apply_pair_2d`: the direct regroup of one (ctx rank, gen rank) pair, for the mapped
   path (the peer's pool imported here by CUDA IPC / POSIX fd / fabric handle), no bounce.
@@ -40,13 +40,13 @@ numpy record layouts are checked against cuda-python's own structs in the CPU te
 
 Measured (H200 x2, NV18, driver 580 / CUDA 13.0, cuda-bindings 13.3, torch 2.11; GPT-OSS-120B
 TP1 -> TP4, 256 random blocks = 576 MiB, 1024 direct 2D copies of 72 x 8 KiB rows, 1032 + 1030
-for gather / scatter through 64 MiB chunks; ``python -m kvd.bench_regroup``), GB/s:
+for gather / scatter through 64 MiB chunks; ``python -m kvd.bench.regroup``), GB/s:
 
 ======================================  ==========  ==========
 path                                    same GPU    GPU0->GPU1
 ======================================  ==========  ==========
 contiguous copy (torch / cuMemcpyAsync)  1900-2030   377-393
-torch gather+scatter (kvd.stager)        760-794     253-262
+torch gather+scatter (kvd.regroup.stager)        760-794     253-262
 torch direct (Plan.apply)                738-817     268-287
 copy engines, direct, batch3d            159-175     145
 copy engines, direct, memcpy2d           90-159      145-147
@@ -73,7 +73,7 @@ keeping the SMs free for the model matters more than bandwidth. See
 :data:`COPY_ENGINE_MIN_COPY_BYTES`.
 
 ``cuda.bindings.driver`` is imported lazily: CPU-only machines import this module freely,
-and where :func:`available` is False callers use :mod:`kvd.stager`'s torch path instead.
+and where :func:`available` is False callers use :mod:`kvd.regroup.stager`'s torch path instead.
 Every CUDA call is checked; a failure raises :class:`~protocol.errors.TransferError` naming
 the call and the CUDA error (``"cuMemcpy2DAsync: CUDA_ERROR_INVALID_VALUE"``).
 
@@ -98,8 +98,8 @@ import numpy.typing as npt
 from protocol.errors import TransferError
 
 if TYPE_CHECKING:
-    from kvd.plan import Plan
-    from kvd.stager import Chunk
+    from kvd.regroup.plan import Plan
+    from kvd.regroup.stager import Chunk
 
 __all__ = [
     "AUTO_METHOD",
@@ -135,7 +135,7 @@ MAX_PITCH = (1 << 31) - 1
 #: Copies per batch call; a longer list is submitted in several calls.
 BATCH_MAX_OPS = 16384
 #: Bytes per copy from which the copy engines reach ~90% of NVLink bandwidth (at ~2.5 us of
-#: fixed cost a copy; measured on H200): below it, prefer kvd.stager's torch kernels unless
+#: fixed cost a copy; measured on H200): below it, prefer kvd.regroup.stager's torch kernels unless
 #: the SMs must stay free.
 COPY_ENGINE_MIN_COPY_BYTES = 8 << 20
 #: Prepared (base, base, method) submissions kept per :class:`Copies2D`.
@@ -554,7 +554,7 @@ def group_2d(
     same = np.zeros(n, dtype=bool)
     same[2:] = (ds[2:] == ds[1:-1]) & (dd[2:] == dd[1:-1])
     # Runs: maximal stretches of valid links with equal pitches. The resolution of
-    # neighbouring runs follows kvd.stager._copy2d (one side generalized to two).
+    # neighbouring runs follows kvd.regroup.stager._copy2d (one side generalized to two).
     run_start = valid.copy()
     run_start[2:] &= ~(valid[1:-1] & same[2:])
     run_id = np.cumsum(run_start) - 1

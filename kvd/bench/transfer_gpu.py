@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from kvd.demo import GEOMETRY, Scenario, start_pair
+from kvd.demo.pair import GEOMETRY, Scenario, start_pair
 
 MiB = 1 << 20
 BLOCK_BYTES = 36 * 2 * 8 * 32 * 64 * 2  # GPT-OSS-120B, TP1: 2.25 MiB

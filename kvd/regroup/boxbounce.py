@@ -17,9 +17,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvd.boxcopy import _as_array, _block_view, widest_view
-from kvd.gpu_pipeline import _box_view
-from kvd.plan import Plan
+from kvd.regroup.boxcopy import _as_array, _block_view, widest_view
+from kvd.regroup.gpu_pipeline import _box_view
+from kvd.regroup.plan import Plan
 
 
 @dataclass(frozen=True)

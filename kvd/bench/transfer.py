@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from kvd.demo import GEOMETRY, Scenario, start_pair
+from kvd.demo.pair import GEOMETRY, Scenario, start_pair
 
 MiB = 1 << 20
 
@@ -60,7 +60,7 @@ def _e2e(workdir: Path, blocks: int, repeat: int, mapped: bool, chunk_mb: int, b
 
 
 def _raw(nbytes: int, repeat: int) -> dict[str, Any]:
-    from kvd.transport.rawbench import RawBench
+    from kvd.bench.rawnixl import RawBench
 
     frag = GEOMETRY["tokens_per_block"] * GEOMETRY["head_dim"] * 2 * 2  # 2 heads per gen rank, bf16
     with RawBench(nbytes) as bench:
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true")
     args, _ = parser.parse_known_args(argv)
     if args.device == "cuda":  # the GPU bench has its own options (--plot, --sizes, --json-out)
-        from kvd.bench_transfer_gpu import main as gpu_main
+        from kvd.bench.transfer_gpu import main as gpu_main
 
         return int(gpu_main(argv))
     args = parser.parse_args(argv)

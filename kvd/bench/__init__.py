@@ -1,0 +1,1 @@
+"""Benchmark programs (`kvd bench ...`). Nothing in the daemon imports them."""

@@ -1,0 +1,1 @@
+"""Executor-facing side of the daemon: the Unix listener, peer credentials, fd passing, sessions."""

@@ -1,0 +1,1 @@
+"""Operations: structured logs, Prometheus metrics, systemd notification."""

@@ -1,0 +1,1 @@
+"""Regrouping KV between parallel layouts: the planner and the data movers that apply a plan."""
