@@ -137,6 +137,9 @@ class Expect(Message, frozen=True, tag="expect"):
     block_ids: list[int]
     ranks: list[int] | None = None  # participating ranks; None = every rank of the layout
     deadline_s: float | None = None
+    # the ctx daemon's node: once every gen rank registered, the destination goes to it
+    # unasked, so the ctx side's publish moves bytes without a round trip ("" = wait for an offer)
+    peer: str = ""
 
 
 class Publish(Message, frozen=True, tag="publish"):
@@ -160,9 +163,11 @@ class Wait(Message, frozen=True, tag="wait"):
 
 
 class Cancel(Message, frozen=True, tag="cancel"):
-    """Cancel a registered request/transfer by id."""
+    """Cancel a registered request/transfer by id (only the session that registered it may,
+    unless ``force``: an operator, root or the daemon's uid, cancelling someone else's)."""
 
     request_id: str
+    force: bool = False
 
 
 class Ping(Message, frozen=True, tag="ping"):
@@ -256,7 +261,7 @@ class Completion(Message, frozen=True, tag="completion"):
     ok: bool
     bytes: int = 0
     duration_s: float = 0.0
-    path: str = ""  # "direct" | "bounce" | "fragment-fallback" | "local"
+    path: str = ""  # "local" | "mapped" | "direct" | "bounce" | "fragment"
     chunks: int = 0
     fallback: str = ""  # "" or the fallback kind taken
     peer: str = ""

@@ -83,6 +83,7 @@ __all__ = [
     "SideComplete",
     "SideState",
     "StartData",
+    "StartReceive",
     "State",
     "TransferMachine",
     "WriteEnded",
@@ -319,6 +320,13 @@ class StartData(Action):
 
 
 @dataclass(frozen=True)
+class StartReceive(Action):
+    """gen: ctx took ``path``; set up what receiving needs (bounce: grant slots, scatter)."""
+
+    path: Path
+
+
+@dataclass(frozen=True)
 class AbortWrites(Action):
     """Abort the side's in-flight writes; each one reports :class:`WriteEnded` when final."""
 
@@ -362,7 +370,8 @@ TRANSITIONS: dict[Role, dict[State, dict[type[Event], State]]] = {
         _S.READY: {**_FAILURES},
         _S.OFFERED: {PathReceived: _S.SENDING, FailReceived: _S.FAILED, **_FAILURES},
         _S.SENDING: {
-            PathChosen: _S.SENDING, **_keep(_S.SENDING, WritePosted, WriteEnded),
+            # PathReceived: the peer's ctx switched bounce → fragment
+            PathChosen: _S.SENDING, PathReceived: _S.SENDING, **_keep(_S.SENDING, WritePosted, WriteEnded),
             DataOut: _S.DONE, DataDoneReceived: _S.DONE, FailReceived: _S.FAILED, **_FAILURES,
         },
         _S.DONE: {FailReceived: _S.DONE, **_keep(_S.DONE, Cancel, Disconnect)},
@@ -387,6 +396,7 @@ TRANSITIONS: dict[Role, dict[State, dict[type[Event], State]]] = {
             FailReceived: _S.FAILED, **_FAILURES,
         },
         _S.RECEIVING: {
+            PathReceived: _S.RECEIVING,  # bounce → fragment: no receive slot came in time
             NotifSeen: _S.RECEIVING, **_keep(_S.RECEIVING, WritePosted, WriteEnded),
             FailReceived: _S.FAILED, **_FAILURES,
         },
@@ -560,8 +570,9 @@ class TransferMachine:
             if not self.dest_out:
                 raise RemoteProtocolError("ctx announced a path before gen handed out its destination")
             self.path = event.path
-            if self.gen.state is State.DEST_OUT:
+            if self.gen.state in (State.DEST_OUT, State.RECEIVING):
                 self.gen.state = State.RECEIVING
+                out.append(StartReceive(event.path))
         elif isinstance(event, PathChosen):
             self.path = event.path
             if side.state is State.SENDING and Role.GEN not in self.here:

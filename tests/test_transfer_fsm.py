@@ -46,6 +46,7 @@ from protocol.transfer_fsm import (
     SendPath,
     SideComplete,
     StartData,
+    StartReceive,
     State,
     TransferMachine,
     WriteEnded,
@@ -149,7 +150,7 @@ def test_gen_announces_and_publish_starts_with_zero_round_trips() -> None:
 
     # gen: notifications may overtake the path message and the done message
     assert gen.handle(NotifSeen(GEN)) == []
-    assert gen.handle(PathReceived(CTX, Path.DIRECT)) == []
+    assert gen.handle(PathReceived(CTX, Path.DIRECT)) == [StartReceive(Path.DIRECT)]
     assert gen.state(GEN) is State.RECEIVING
     assert gen.handle(DataDoneReceived(CTX, writes=2, nbytes=100)) == []
     assert gen.handle(NotifSeen(GEN)) == [Report(GEN, True)]
