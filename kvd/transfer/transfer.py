@@ -307,6 +307,9 @@ class Transfer:
         st = self.machine.state(f.Role.GEN)
         if f.Role.GEN not in self.machine.here or st in f.FINAL:
             return  # late: the side ended (its slots and blocks stay ours until ctx stopped)
+        side = self.sides.get(f.Role.GEN)
+        if side is not None and n.slot < 0:
+            side.chunks_done += 1  # a direct/fragment write landed (bounce counts its scatters)
         if n.slot >= 0 and st is not f.State.ABORTING:
             self._pending_scatters += 1
             self.feed(f.WritePosted(f.Role.GEN))
@@ -452,6 +455,7 @@ class Transfer:
         cfg = self.env.cfg
         return Job(request_id=self.request_id, owner=self.slot_owner, plan=p, src={r: part.pool for r, part in side.parts.items()},
                    progress=_Progress(self, f.Role.CTX, side), chunk_bytes=cfg.chunk_mb << 20,
+                   descs_per_write=cfg.descs_per_write,
                    gpu_chunk_bytes=cfg.gpu_chunk_mb << 20, stages=side.stages)
 
     async def _local_task(self) -> None:

@@ -61,6 +61,7 @@ class Job:
     remote_region: RemoteRegion | None = None
     remote_slot_bytes: int = 0
     chunk_bytes: int = 64 << 20
+    descs_per_write: int = 8192  # NIXL descriptors per write (direct / fragment paths)
     gpu_chunk_bytes: int = 128 << 20
     stages: dict[str, float] = field(default_factory=dict)
 

@@ -9,8 +9,6 @@ import numpy.typing as npt
 from kvd.transfer.paths.base import Job, Sent, mem
 from protocol import transfer as x
 
-#: Descriptors per NIXL write (keeps one write's lists bounded).
-MAX_DESCS_PER_WRITE = 8192
 
 Int64Array = npt.NDArray[np.int64]
 
@@ -28,15 +26,16 @@ def merge_runs(frags: Int64Array) -> Int64Array:
 
 
 async def write_fragments(job: Job, frags_of: dict[tuple[int, int], Int64Array]) -> Sent:
-    """One NIXL write per ``MAX_DESCS_PER_WRITE`` descriptors, in order; returns the writes."""
+    """One NIXL write per ``job.descs_per_write`` descriptors, in order; returns the writes."""
     assert job.nixl is not None
     seq = 0
     nbytes_total = 0
     for (s, d), frags in frags_of.items():
         src_pool = job.src[s]
         dst = job.remote_pools[d]
-        for lo in range(0, len(frags), MAX_DESCS_PER_WRITE):
-            part = frags[lo : lo + MAX_DESCS_PER_WRITE]
+        step = max(1, job.descs_per_write)
+        for lo in range(0, len(frags), step):
+            part = frags[lo : lo + step]
             local = np.stack([part[:, 0] + src_pool.ptr, part[:, 2]], axis=1)
             remote = np.stack([part[:, 1] + dst.addr, part[:, 2]], axis=1)
             notif = x.encode_notif(x.Notif(job.request_id, seq, -1))
