@@ -56,6 +56,9 @@ if TYPE_CHECKING:
 log = structlog.get_logger("kvd.transfer")
 
 _ROLE = {f.Role.CTX: "ctx", f.Role.GEN: "gen"}
+#: How long an ended request is remembered after its last executor let go (at least until its
+#: deadline): a late rank is told how it ended, and its id is not reused by mistake meanwhile.
+TOMBSTONE_S = 10.0
 
 
 def is_operator(uid: int) -> bool:
@@ -170,14 +173,21 @@ class Engine:
                 t = self.transfers.get(("", rid))
             return key_peer, t
         # gen without a peer: an offer that came first, or a local ctx side
+        ended: tuple[str, Transfer] | None = None
         for (p, r), t in self.transfers.items():
-            if r == rid and p and not t.finished.is_set() and f.Role.GEN in t.machine.here \
-                    and f.Role.GEN not in t.sides:
+            if r != rid or not p or f.Role.GEN not in t.machine.here:
+                continue
+            if not t.finished.is_set() and f.Role.GEN not in t.sides:
                 return p, t
+            if t.sides.get(f.Role.GEN) is not None and t.machine.state(f.Role.GEN) in f.FINAL:
+                ended = (p, t)  # a late rank of a side that already ended: it learns how
         local_ctx = self.transfers.get((self.node, rid))
         if local_ctx is not None and f.Role.GEN not in local_ctx.sides and not local_ctx.finished.is_set():
             return self.node, local_ctx
-        return "", self.transfers.get(("", rid))
+        unmatched = self.transfers.get(("", rid))
+        if unmatched is None and ended is not None:
+            return ended
+        return "", unmatched
 
     async def register(self, session: Session, msg: m.Expect | m.Publish) -> None:
         """Add one rank's registration; raises (changing nothing) when it is refused."""
@@ -195,9 +205,9 @@ class Engine:
         key_peer, t = self._find(role, rid, msg.peer)
         if t is not None:
             st = t.machine.state(role)
-            if st is f.State.FAILED and role not in t.sides:
+            if st is f.State.FAILED:
                 side_state = t.machine.side(role)
-                raise error_from_code(side_state.code, f"request {rid!r}: {side_state.message}")
+                raise error_from_code(side_state.code, f"request {rid!r} already failed: {side_state.message}")
             if t.finished.is_set() or st not in (f.State.IDLE, f.State.REGISTERING):
                 raise DuplicateRequest(f"request {rid!r} ({_ROLE[role]}) is already registered or ran; "
                                        "use a new request id")
@@ -329,7 +339,16 @@ class Engine:
         if not t.finished.is_set():
             return
         gone = all(p.session_gone for s in t.sides.values() for p in s.parts.values())
-        if gone and self.transfers.get(t.key) is t:
+        if gone and self.transfers.get(t.key) is t and not t.forgetting:
+            # kept a little longer: a late rank or a late message still learns how it ended
+            t.forgetting = True
+            assert self._nursery is not None
+            self._nursery.start_soon(self._forget_later, t)
+
+    async def _forget_later(self, t: Transfer) -> None:
+        await trio.sleep_until(max(t.machine.deadline if math.isfinite(t.machine.deadline) else 0.0,
+                                   trio.current_time() + TOMBSTONE_S))
+        if self.transfers.get(t.key) is t:
             del self.transfers[t.key]
 
     # -- reports (called by transfers) ------------------------------------------------------

@@ -156,6 +156,7 @@ class Transfer:
         self.peer_instance = ""  # the peer's NIXL agent when we first talked: a new one = fenced
         self.created = time.monotonic()
         self.finished = trio.Event()
+        self.forgetting = False  # the engine drops it soon
         self._tx, self._rx = trio.open_memory_channel[Any](math.inf)
         self._notifs_tx, self._notifs_rx = trio.open_memory_channel[x.Notif](math.inf)
         self._grants_tx, self._grants_rx = trio.open_memory_channel[int](math.inf)

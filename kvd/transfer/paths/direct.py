@@ -9,7 +9,6 @@ import numpy.typing as npt
 from kvd.transfer.paths.base import Job, Sent, mem
 from protocol import transfer as x
 
-
 Int64Array = npt.NDArray[np.int64]
 
 
