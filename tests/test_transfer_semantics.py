@@ -161,3 +161,21 @@ async def test_a_local_only_daemon_allocates_no_bounce_staging(daemon_factory: F
                            if line.startswith("VmRSS:")))
         assert rss_kib < 900 * 1024, f"{rss_kib >> 10} MiB resident with 2 small pools"
     assert "transport.staging_ready" not in d.log()
+
+
+@pytest.mark.parametrize("gen_peer", ["", "ctx"])
+async def test_ctx_publishing_first_still_transfers(daemon_factory: Factory, short_tmp: Path, gen_peer: str) -> None:
+    """The offer waits on the gen daemon until the gen executors register (or name the peer)."""
+    pair = start_pair(daemon_factory, short_tmp, ONE, TP2)
+    async with open_client(pair.ctx.socket_path) as ctx, open_client(pair.gen.socket_path) as g0, \
+            open_client(pair.gen.socket_path) as g1:
+        await wait_for_peer(ctx)
+        await wait_for_peer(g0)
+        await ctx.publish("r-first", "ctx0", ONE, 0, await ctx.alloc("ctx0", 2), peer="gen", deadline_s=60)
+        with pytest.raises(WaitTimeout):  # nobody expects it yet: it waits, and the offer with it
+            await ctx.wait("r-first", timeout_s=0.3)
+        for r, g in enumerate((g0, g1)):
+            await g.expect("r-first", f"gen{r}", TP2, r, await g.alloc(f"gen{r}", 2), deadline_s=60, peer=gen_peer)
+        with trio.fail_after(30):
+            assert (await ctx.wait("r-first")).ok
+            assert (await g0.wait("r-first")).ok and (await g1.wait("r-first")).ok

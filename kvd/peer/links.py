@@ -95,6 +95,8 @@ class PeerLinks:
         self._link_up = link_up
         self._link_lost = link_lost
         self.links: dict[str, PeerLink] = {}
+        #: every peer that ever linked since start (a known peer even while its link is down)
+        self.seen: set[str] = set()
         #: failure notices a transfer could not send while the link was down, sent on the next one
         self.owed: dict[str, list[x.XferMessage]] = {}
         self.secret: bytes | None = None
@@ -228,6 +230,7 @@ class PeerLinks:
             except KvdError as exc:  # e.g. another mount namespace: fall back to NIXL, say so
                 log.warning("peer.pools_not_mapped", node=node, error=str(exc))
         self.links[node] = link
+        self.seen.add(node)
         self.last_error.pop(node, None)
         self._changed.set()
         self._changed = trio.Event()

@@ -158,6 +158,7 @@ class Engine:
         known = {p.name for p in self.daemon.config.peers}
         if self.links is not None:
             known.update(self.links.links)
+            known.update(self.links.seen)
         if peer not in known:
             raise UnknownPeer(f"peer {peer!r} is neither configured nor connected "
                               f"(known peers: {sorted(known) or 'none'}; this node: {self.node!r})")
@@ -177,12 +178,12 @@ class Engine:
         for (p, r), t in self.transfers.items():
             if r != rid or not p or f.Role.GEN not in t.machine.here:
                 continue
-            if not t.finished.is_set() and f.Role.GEN not in t.sides:
-                return p, t
+            if not t.finished.is_set():
+                return p, t  # an offer that came first (or the gen side it already has)
             if t.sides.get(f.Role.GEN) is not None and t.machine.state(f.Role.GEN) in f.FINAL:
                 ended = (p, t)  # a late rank of a side that already ended: it learns how
         local_ctx = self.transfers.get((self.node, rid))
-        if local_ctx is not None and f.Role.GEN not in local_ctx.sides and not local_ctx.finished.is_set():
+        if local_ctx is not None and not local_ctx.finished.is_set():
             return self.node, local_ctx
         unmatched = self.transfers.get(("", rid))
         if unmatched is None and ended is not None:
