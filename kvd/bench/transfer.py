@@ -104,9 +104,9 @@ def main(argv: list[str] | None = None) -> int:
         lat = {name: latency.run(workdir, sizes, args.latency_repeat, mapped=m)
                for name, m in (("mapped", True), ("nixl", False))}
         if not args.json:
-            for name, rows in lat.items():
+            for name, lat_rows in lat.items():
                 latency.print_rows(f"kvd bench transfer: latency, {name} path, ctx TP1 -> gen TP4, host pools, "
-                                   f"{args.latency_repeat} requests per row", rows)
+                                   f"{args.latency_repeat} requests per row", lat_rows)
         if args.latency_only:
             if args.json:
                 print(json.dumps({"latency": lat}, indent=2))
