@@ -424,7 +424,7 @@ JOINT: dict[Role, dict[State, frozenset[State]]] = {
         _S.READY: frozenset({_S.DEST_OUT, _S.RECEIVING, _S.ABORTING}),
         _S.IDLE: frozenset({_S.ABORTING}),
         _S.REGISTERING: frozenset({_S.ABORTING}),
-        _S.DEST_OUT: frozenset({_S.DONE, _S.ABORTING}),
+        _S.DEST_OUT: frozenset({_S.RECEIVING, _S.DONE, _S.ABORTING}),  # receiving: ctx's path message
         _S.RECEIVING: frozenset({_S.DONE, _S.ABORTING}),
         _S.ABORTING: frozenset({_S.FAILED}),
     },
@@ -718,3 +718,23 @@ class TransferMachine:
             self._report(Role.GEN, out)
             return True
         return False
+
+
+def mermaid(role: Role) -> str:
+    """The state graph of ``role`` as a mermaid ``stateDiagram-v2``, drawn from :data:`TRANSITIONS`
+    (events; ``peer:`` marks the peer's messages) and :data:`JOINT` (``joint`` rules). Events
+    that keep the state (write counters, late messages) are left out."""
+    lines = ["stateDiagram-v2", "    [*] --> idle"]
+    edges: dict[tuple[State, State], list[str]] = {}
+    for state, row in TRANSITIONS[role].items():
+        for etype, new in row.items():
+            if new is not state:
+                label = etype.__name__ if etype in LOCAL_EVENTS else f"peer: {etype.__name__}"
+                edges.setdefault((state, new), []).append(label)
+    for state, targets in JOINT[role].items():
+        for new in sorted(targets, key=lambda s: s.value):
+            edges.setdefault((state, new), []).append("joint")
+    for (a, b), labels in sorted(edges.items(), key=lambda kv: (kv[0][0].value, kv[0][1].value)):
+        lines.append(f"    {a.value} --> {b.value} : {', '.join(sorted(set(labels)))}")
+    lines += ["    done --> [*]", "    failed --> [*]"]
+    return "\n".join(lines) + "\n"
