@@ -179,3 +179,16 @@ async def test_ctx_publishing_first_still_transfers(daemon_factory: Factory, sho
         with trio.fail_after(30):
             assert (await ctx.wait("r-first")).ok
             assert (await g0.wait("r-first")).ok and (await g1.wait("r-first")).ok
+
+
+async def test_cancel_while_the_peer_link_is_down_is_prompt(daemon_factory: Factory, short_tmp: Path) -> None:
+    """ctx published to a configured peer that is not up: its offer waits aside, a cancel does not."""
+    from tests.transfer_harness import write_secret
+
+    d = daemon_factory({"pools": [host_pool("ctx0")], "peer_secret_file": write_secret(short_tmp),
+                        "peers": [{"name": "gen", "host": "127.0.0.1", "port": 9}]})  # nothing listens
+    async with open_client(d.socket_path) as c:
+        await c.publish("r-down", "ctx0", ONE, 0, await c.alloc("ctx0", 2), peer="gen", deadline_s=120)
+        await c.cancel("r-down")
+        with trio.fail_after(30), pytest.raises(TransferCancelled):
+            await c.wait("r-down")

@@ -11,6 +11,7 @@ own when a side has failed or may give its blocks back: the machine does.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Callable
@@ -237,6 +238,9 @@ class Transfer:
         except LocalProtocolError as exc:
             log.error("transfer.local_protocol_error", error=exc.message)
             self._fail_here(exc)
+        except Exception as exc:  # a bug: this request fails, the daemon serves on
+            log.exception("transfer.internal_error")
+            self._fail_here(InternalError(f"internal error: {type(exc).__name__}: {exc}"))
 
     def _explain_expiry(self) -> None:
         """At the deadline, fail with the most useful reason the machine cannot know."""
@@ -377,10 +381,12 @@ class Transfer:
         """Send to the peer; a failure notice that cannot go now is owed to its next link."""
         links = self.env.links()
         link = links.links.get(self.peer) if links is not None else None
-        if link is None and links is not None and not isinstance(msg, x.XferFail) and not self.machine.finished:
-            # ctx offering before the link is up (the daemons start in any order)
-            with trio.move_on_at(self.machine.deadline):
-                link = await links.wait_for(self.peer)
+        if link is None and links is not None and not isinstance(msg, x.XferFail):
+            # ctx offering before the link is up (the daemons start in any order): wait aside,
+            # the actor keeps serving (a cancel must not wait for the link)
+            if not self.machine.finished:
+                self._start(partial(self._send_when_linked, links, msg))
+            return
         if link is not None:
             if not self.peer_instance:
                 self.peer_instance = link.agent
@@ -391,6 +397,15 @@ class Transfer:
                 pass
         if isinstance(msg, x.XferFail) and links is not None:
             links.owe(self.peer, msg)
+
+    async def _send_when_linked(self, links: PeerLinks, msg: x.XferMessage) -> None:
+        with trio.move_on_at(self.machine.deadline), contextlib.suppress(PeerUnavailable):
+            link = await links.wait_for(self.peer)
+            if self.machine.finished or all(self.machine.state(r) in f.FINAL for r in self.machine.here):
+                return  # ended meanwhile: its failure notice (if any) is owed to the link
+            if not self.peer_instance:
+                self.peer_instance = link.agent
+            await link.send(msg)
 
     # -- reports ----------------------------------------------------------------------------------
     def _report(self, a: f.Report) -> None:
