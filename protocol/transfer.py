@@ -5,9 +5,10 @@ the daemons, hand out receive credits and report the outcome:
 
     ctx daemon                                 gen daemon
     XferOffer(layout, blocks, deadline)  ──▶   (waits until its executors' Expect is complete)
-                                         ◀──   XferAccept(layout, blocks, pool regions)
+                                         ◀──   XferAccept(layout, blocks, pool regions, slots)
     -- both plan the same regroup; path = direct (equal layouts) or bounce --
-                                         ◀──   XferGrant(slot)        (one per free receive slot)
+                                         ◀──   XferGrant(slot)        (one per free receive slot,
+                                                                        beyond those granted up front)
     NIXL WRITE staging slot → remote slot, notification (request, seq, slot)
                                                scatter slot → blocks, slot freed, next grant
     XferPath(mapped | fragment-fallback): no receive slots needed (same-node mapped pools, or
@@ -62,6 +63,7 @@ class XferAccept(XferMessage, frozen=True, tag="xfer_accept"):
     blocks: dict[int, list[int]]
     pools: dict[int, RemoteRegion]  # gen rank -> its pool region (for direct/fallback writes)
     pool_names: dict[int, str] = {}  # gen rank -> pool name (for the same-node mapped path)
+    slots: list[int] = []  # receive slots granted up front (bounce path)
 
 
 class XferAnnounce(XferMessage, frozen=True, tag="xfer_announce"):

@@ -142,6 +142,8 @@ async def run_transfer(
             _sync(dev)
             gen_pools[r], gen_ids[r] = pool, ids
             gen_before[r] = pool.raw.to("cpu", copy=True)
+            if gen_peer:
+                await wait_for_peer(c)  # a named peer must be known: configured, or linked once
             await c.expect(request_id, f"gen{r}", gen_layout, r, ids, ranks=gen_ranks, deadline_s=deadline_s,
                            peer=gen_peer)
             task_status.started()

@@ -54,6 +54,9 @@ log = structlog.get_logger("kvd.transfer")
 #: validates and computes boxes there (fragments are lazy), less than a worker-thread hop.
 INLINE_PLAN_BLOCKS = 4096
 
+#: Receive slots a gen side grants with its announce (the bounce path then starts at once).
+PREGRANT_SLOTS = 2
+
 _PATHS = {p.value: p for p in f.Path}
 _PATHS["fragment-fallback"] = f.Path.FRAGMENT  # older daemons' name
 
@@ -168,6 +171,7 @@ class Transfer:
         self.sent: Sent | None = None  # what our sending path did (ctx)
         self.done_msg: x.XferDone | None = None  # what the peer's did (gen)
         self.round_trips = 0  # peer round trips ctx waited for before data moved
+        self.pregranted = 0  # receive slots granted with the announce (gen)
 
     @property
     def key(self) -> tuple[str, str]:
@@ -281,7 +285,7 @@ class Transfer:
                 self.round_trips += 1
             deadline = self._deadline(msg.deadline_s) if isinstance(msg, x.XferAnnounce) else math.inf
             self.feed(f.DestinationReceived(f.Role.GEN, deadline=deadline, announced=announced))
-            for slot in msg.slots if isinstance(msg, x.XferAnnounce) else []:
+            for slot in msg.slots:
                 self._grants_tx.send_nowait(slot)
         elif isinstance(msg, x.XferPath):
             path = _PATHS.get(msg.path)
@@ -361,10 +365,10 @@ class Transfer:
             names = {r: p.pool.name for r, p in side.parts.items()}
             if a.announced:
                 return x.XferAnnounce(request_id=rid, layout=side.layout, blocks=side.blocks_by_rank(),
-                                      pools=regions, pool_names=names,
+                                      pools=regions, pool_names=names, slots=self._pregrant(),
                                       deadline_s=max(0.0, self.machine.deadline - trio.current_time()))
             return x.XferAccept(request_id=rid, layout=side.layout, blocks=side.blocks_by_rank(),
-                                pools=regions, pool_names=names)
+                                pools=regions, pool_names=names, slots=self._pregrant())
         if isinstance(a, f.SendPath):
             side = self.sides[f.Role.CTX]
             return x.XferPath(request_id=rid, path=a.path.value, layout=side.layout, blocks=side.blocks_by_rank())
@@ -376,6 +380,21 @@ class Transfer:
             return x.XferFail(request_id=rid, code=a.code, message=a.message,
                               writes_stopped=a.writes_stopped, sender=sender)
         raise InternalError(f"unexpected action {a!r}")
+
+    def _pregrant(self) -> list[int]:
+        """Receive slots granted with the announce, so a bounce transfer needs no round trip
+        either (free ones only, at most ``PREGRANT_SLOTS``: they sit idle until ``publish``)."""
+        staging = self.env.staging()
+        if staging is None or not self.env.cfg.grant_credits:
+            return []
+        slots: list[int] = []
+        while len(slots) < PREGRANT_SLOTS:
+            slot = staging.recv_slots.try_acquire(self.slot_owner)
+            if slot is None:
+                break
+            slots.append(slot)
+        self.pregranted = len(slots)
+        return slots
 
     async def _send(self, msg: x.XferMessage) -> None:
         """Send to the peer; a failure notice that cannot go now is owed to its next link."""
@@ -524,6 +543,8 @@ class Transfer:
         bp = bounce_chunks(p, self.env.cfg.chunk_mb << 20)
         self.sides[f.Role.CTX].chunks_total = len(bp.chunks)
         first: int | None = None
+        if self._grants_rx.statistics().current_buffer_used == 0:
+            self.round_trips += 1  # path out, first grant back (none came with the destination)
         with trio.move_on_after(self.env.cfg.bounce_wait_s):
             first = await self._grants_rx.receive()
         if first is None:
@@ -549,6 +570,10 @@ class Transfer:
         if path is not f.Path.BOUNCE:
             if scope is not None:  # ctx switched to per-fragment writes: no slot will be used
                 scope.cancel()
+            staging = self.env.staging()
+            if self.pregranted and staging is not None and not self._pending_scatters:
+                staging.recv_slots.release_owner(self.slot_owner)  # ctx writes into the blocks
+                self.pregranted = 0
             return
         if scope is None:
             self._start(self._receive_task)
@@ -571,7 +596,7 @@ class Transfer:
 
             progress = _ScatterProgress(self, side)
             receiver = bounce.Receiver(rid, self.slot_owner, bp, {r: part.pool for r, part in side.parts.items()},
-                                       staging.recv, staging.recv_slots, progress, grant,
+                                       staging.recv, staging.recv_slots, progress, grant, granted=self.pregranted,
                                        withhold=not self.env.cfg.grant_credits)
             if receiver.withhold:
                 log.warning("transfer.credits_withheld", reason="transfer.grant_credits = false")

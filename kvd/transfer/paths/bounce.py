@@ -70,6 +70,7 @@ class Receiver:
     slots: SlotPool
     progress: Progress
     grant: Callable[[int], Awaitable[None]]  # sends XferGrant(slot)
+    granted: int = 0  # slots already granted (with the announce)
     withhold: bool = False  # fault injection: never grant
 
     async def run(self, notifs: trio.MemoryReceiveChannel[x.Notif]) -> None:
@@ -83,7 +84,7 @@ class Receiver:
     async def _grants(self) -> None:
         if self.withhold:
             return
-        for _ in range(len(self.bp.chunks)):
+        for _ in range(len(self.bp.chunks) - self.granted):
             slot = await self.slots.acquire(self.owner)
             await self.grant(slot)
 
