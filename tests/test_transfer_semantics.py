@@ -61,6 +61,15 @@ async def test_unknown_peer_is_refused_at_registration(daemon_factory: Factory) 
         assert await c.free("ctx0", ids) == 2  # nothing stayed registered
 
 
+async def test_local_transfer_with_ctx_publishing_first(daemon_factory: Factory) -> None:
+    d = daemon_factory(_local())
+    async with open_client(d.socket_path) as gen, open_client(d.socket_path) as ctx:
+        await ctx.publish("r-cf", "ctx0", ONE, 0, await ctx.alloc("ctx0", 2), peer="kvd", deadline_s=60)
+        await gen.expect("r-cf", "gen0", ONE, 0, await gen.alloc("gen0", 2), deadline_s=60)
+        assert (await gen.wait("r-cf")).path == "local"
+        assert (await ctx.wait("r-cf")).ok
+
+
 async def test_wait_timeout_is_distinct_and_the_transfer_goes_on(daemon_factory: Factory) -> None:
     d = daemon_factory(_local())
     async with open_client(d.socket_path) as gen, open_client(d.socket_path) as ctx:

@@ -59,6 +59,8 @@ _ROLE = {f.Role.CTX: "ctx", f.Role.GEN: "gen"}
 #: How long an ended request is remembered after its last executor let go (at least until its
 #: deadline): a late rank is told how it ended, and its id is not reused by mistake meanwhile.
 TOMBSTONE_S = 10.0
+#: Ended requests a session may leave uncollected (never waited for) before the oldest are dropped.
+MAX_UNCOLLECTED = 1024
 
 
 def is_operator(uid: int) -> bool:
@@ -200,6 +202,7 @@ class Engine:
             raise BadRequest(f"request {rid!r}: deadline_s must be positive and finite, got {deadline_s}")
         if role is f.Role.CTX and not msg.peer:
             raise BadRequest(f"request {rid!r}: publish needs the gen peer's node name")
+        pool.blocks.check_leased(session.id, msg.block_ids)  # the caller's own mistakes first
         self._check_peer(msg.peer)
         if rid in self._by_session.get(session.id, {}) and self._by_session[session.id][rid].sides.get(role) is None:
             raise DuplicateRequest(f"request {rid!r}: this session already registered it for the other side")
@@ -223,7 +226,8 @@ class Engine:
         side = add_registration(t.sides.get(role) if t is not None else None, session, msg, pool,
                                 _ROLE[role], deadline)  # type: ignore[arg-type]
         if t is None:
-            t = self._start(rid, key_peer, {role})
+            # ctx and gen on this daemon: one machine plays both sides (the local path)
+            t = self._start(rid, key_peer, {f.Role.CTX, f.Role.GEN} if key_peer == self.node else {role})
         elif role not in t.machine.here:
             try:
                 t.machine.host(role)
@@ -242,7 +246,12 @@ class Engine:
         for b in msg.block_ids:
             self._busy[(pool.name, b)] = t
         session.requests.add(rid)
-        self._by_session.setdefault(session.id, {})[rid] = t
+        mine = self._by_session.setdefault(session.id, {})
+        mine[rid] = t
+        if len(mine) > MAX_UNCOLLECTED:  # a session that never waits: forget its oldest ended ones
+            for old in list(mine.values())[: len(mine) - MAX_UNCOLLECTED]:
+                if old.finished.is_set():
+                    self._collect(session.id, old)
 
     def _start(self, rid: str, peer: str, here: set[f.Role]) -> Transfer:
         assert self._nursery is not None

@@ -9,7 +9,7 @@ Registered once (registration is slow, never per transfer):
   chunks are gathered before their write.
 
 Staging lives where the pools live (the first GPU pool's device, else host memory) and is
-NIXL-targetable memory: ``cudaMalloc`` on GPUs, plain host memory on CPUs (DESIGN.md: UCX
+NIXL-targetable memory: ``cudaMalloc`` on GPUs, plain host memory on CPUs (UCX
 cuda_ipc cannot target POSIX-fd VMM memory, so staging is never VMM).
 """
 
@@ -106,7 +106,7 @@ def _staging(nbytes_slot: int, slots: int, device: int) -> StagingRegion:
 
 
 def device_transport_warnings(daemon: Daemon, env: Mapping[str, str]) -> list[dict[str, str]]:
-    """Say at startup when UCX will move device memory slowly (DESIGN.md: never a silent slow path).
+    """Say at startup when UCX will move device memory slowly (never a silent slow path).
 
     - ``UCX_TLS`` set without ``cuda_ipc`` (or ``all``/``^`` exclusions of it): GPU-to-GPU
       writes on a node fall back to staging through host memory.
