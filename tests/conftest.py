@@ -17,6 +17,34 @@ os.environ["UCX_NET_DEVICES"] = "lo"
 from kvd.demo.launch import DaemonProcess, start_daemon
 
 
+def cuda_gpus() -> int:
+    """CUDA devices visible here (0 without a GPU or a CUDA torch)."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def multigpu_skip_reason(need: int, have: int) -> str | None:
+    """Why a ``multigpu(need)`` test cannot run with ``have`` GPUs, or None if it can."""
+    return None if have >= need else f"needs {need} CUDA GPUs, {have} here"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """``@pytest.mark.multigpu(n)``: also a ``gpu`` test, skipped where fewer than n GPUs exist."""
+    have: int | None = None
+    for item in items:
+        mark = item.get_closest_marker("multigpu")
+        if mark is None:
+            continue
+        need = int(mark.args[0]) if mark.args else 2
+        if have is None:
+            have = cuda_gpus()
+        item.add_marker(pytest.mark.gpu)
+        reason = multigpu_skip_reason(need, have)
+        if reason is not None:
+            item.add_marker(pytest.mark.skip(reason=reason))
+
+
 @pytest.fixture
 def short_tmp() -> Iterator[Path]:
     """A short temp dir: AF_UNIX paths are limited to 107 bytes, pytest's tmp_path can exceed it."""

@@ -64,9 +64,23 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
         "--engine",
-        choices=["torch", "copy", "both"],
+        choices=["torch", "copy", "both", "kernel"],
         default=None,
-        help="torch index copies, copy-engine 2D/batched memcpy, or both (default: both on CUDA, torch on CPU)",
+        help="torch index copies, copy-engine 2D/batched memcpy, or both (default: both on CUDA, torch on CPU); "
+        "kernel: the NVRTC regroup kernel alone vs a contiguous copy, GPU0 -> GPU1 and on one GPU, per size "
+        "(kvd.bench.regroup_kernel)",
+    )
+    ap.add_argument(
+        "--sizes",
+        type=lambda v: [int(x) for x in v.split(",") if x],
+        default=[1, 4, 16, 64, 256, 512],
+        help="request sizes in blocks for --engine kernel (default 1,4,16,64,256,512)",
+    )
+    ap.add_argument(
+        "--tiles",
+        type=lambda v: [int(x) for x in v.split(",") if x],
+        default=[4096, 8192, 16384, 32768, 65536],
+        help="kernel tile sizes in bytes to sweep with --engine kernel (default 4K..64K)",
     )
     ap.add_argument(
         "--peer-device", type=int, default=None, help="put the gen pools on cuda:N (cross-device regroup)"
@@ -96,6 +110,18 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     engine = args.engine or ("both" if device.type == "cuda" else "torch")
+    if engine == "kernel":
+        if device.type != "cuda":
+            print(f"--engine kernel needs a CUDA device (got {device})")
+            return 2
+        from kvd.bench import regroup_kernel
+
+        out = regroup_kernel.run(args)
+        if args.json:
+            print(json.dumps(out))
+        else:
+            regroup_kernel.print_results(out)
+        return 0 if out["check_ok"] else 1
     if engine != "torch" and device.type != "cuda":
         print(f"--engine {engine} needs a CUDA device (got {device}); the copy engines are GPU hardware")
         return 2

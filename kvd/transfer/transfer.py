@@ -535,6 +535,7 @@ class Transfer:
         if maps and all(v is not None for v in maps.values()) and set(p.dst_ranks()) <= set(maps):
             self.feed(f.PathChosen(f.Role.CTX, f.Path.MAPPED))
             job.dst = {r: v.tensor for r, v in maps.items() if v is not None}
+            job.mapped = {r: v for r, v in maps.items() if v is not None}
             return await mapped.send(job)
         if p.direct:
             self.feed(f.PathChosen(f.Role.CTX, f.Path.DIRECT))

@@ -54,6 +54,8 @@ class Job:
     remote_pools: dict[int, RemoteRegion] = field(default_factory=dict)
     # local/mapped paths: gen rank -> typed destination tensor
     dst: dict[int, Any] = field(default_factory=dict)
+    # mapped path: gen rank -> the peer's pool as mapped here (a kvd.mapping MappedPool)
+    mapped: dict[int, Any] = field(default_factory=dict)
     # bounce: the receive slots gen grants, and the send staging here
     grants: Callable[[], Awaitable[int]] | None = None
     staging: Any = None

@@ -1,0 +1,324 @@
+"""The data path's entry point: apply a plan's regroup with the best engine for the memory.
+
+Three calls, one per use, all on flat-byte pools (contiguous numpy arrays or torch tensors of any
+dtype, viewed as bytes; the pools of the ranks the call touches):
+
+``regroup(plan, src_rank, src_pool, dst_pools, *, stream=None, engine="auto",
+launch_on="src") -> Completion``
+    Every pair ``(src_rank, d)`` of the plan, from ``src_pool`` straight into ``dst_pools[d]``
+    (the mapped and local paths; ``dst_pools`` may hold a peer GPU's memory). One kernel launch
+    on the source GPU for all destination ranks (push), or with ``launch_on="dst"`` one per
+    destination GPU (pull: for CUDA IPC mappings, which only their own GPU can address).
+``gather_chunk(plan, src_rank, dst_rank, src_pool, staging, *, offset, nbytes, stream=None,
+engine="auto") -> Completion``
+    Bytes ``[offset, offset + nbytes)`` of pair (src_rank, dst_rank)'s stream, packed into
+    ``staging`` from its first byte (the bounce path's sender side).
+``scatter_chunk(plan, src_rank, dst_rank, staging, dst_pool, *, offset, nbytes, stream=None,
+engine="auto") -> Completion``
+    The reverse, on the receiver: ``staging[:nbytes]`` into the pair's bytes of ``dst_pool``.
+
+A pair's *stream* is its runs in the planner's fragment order (:mod:`kvd.regroup.table`);
+:func:`chunk_ranges` cuts every pair's stream into ``(src, dst, index, offset, nbytes)`` chunks,
+the same cuts and staged bytes as :func:`kvd.regroup.stager.schedule`, so either side may run any engine.
+
+Engines (``engine="auto"`` picks): ``"kernel"`` — CUDA memory, the NVRTC kernel
+(:mod:`kvd.regroup.kernel`) on the source GPU (``regroup``, ``gather_chunk``) or the
+destination GPU (``scatter_chunk``); ``"torch"`` — CUDA memory where the kernel is unavailable
+(``regroup.kernel_unavailable`` was logged once): the same row tables through ``index_select`` /
+``index_copy_``; ``"host"`` — numpy / CPU tensors: the host twin (:mod:`kvd.regroup.hostkernel`),
+synchronous. GPU work goes on ``stream`` (a ``torch.cuda.Stream``; default: the launching
+device's current stream) and is ordered after the work already on it; the caller makes that
+stream wait for whatever wrote the source (an executor's event, a NIXL notification).
+
+The returned :class:`Completion` has ``done()`` (non-blocking: ``cuEventQuery`` on an event
+recorded after the work, for polling from the event loop), ``wait()``, ``engine`` and
+``nbytes``; every call takes an optional ``tile_bytes`` (the kernel's bytes per thread block,
+default 16 KiB; 4-64 KiB measured alike). A launch failure surfaces in ``done()``/``wait()`` as
+:class:`~kvd.regroup.kernel.KernelError`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Literal
+
+from kvd.regroup import hostkernel, kernel
+from kvd.regroup.kernel import kernel_available
+from kvd.regroup.plan import Plan
+from kvd.regroup.table import ChunkRange, PairGrid, chunk_ranges, pair_grid, row_tables
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "ChunkRange",
+    "Completion",
+    "Engine",
+    "LaunchOn",
+    "chunk_ranges",
+    "gather_chunk",
+    "kernel_available",
+    "regroup",
+    "scatter_chunk",
+]
+
+Engine = Literal["auto", "kernel", "torch", "host"]
+#: Where :func:`regroup` launches: the source GPU (push) or each destination GPU (pull).
+LaunchOn = Literal["src", "dst"]
+#: Bytes per indexed step of the torch path (as kvd.regroup.plan.APPLY_STEP_BYTES_CUDA).
+TORCH_STEP_BYTES = 256 << 20
+
+
+class Completion:
+    """Completion of one regroup call. Host work is done when the call returns."""
+
+    def __init__(self, engine: str, nbytes: int, events: list[Any] | None = None) -> None:
+        #: ``"kernel"``, ``"torch"`` or ``"host"``.
+        self.engine = engine
+        #: Bytes moved.
+        self.nbytes = nbytes
+        self._events = events or []
+
+    def done(self) -> bool:
+        """Whether the work has finished; never blocks (an event query per device)."""
+        return all(e.query() for e in self._events)
+
+    def wait(self) -> None:
+        """Block until the work has finished."""
+        for e in self._events:
+            e.synchronize()
+
+    def __repr__(self) -> str:
+        return f"Completion(engine={self.engine!r}, nbytes={self.nbytes}, done={self.done()})"
+
+
+def _is_cuda(pool: Any) -> bool:
+    return getattr(pool, "is_cuda", False) is True
+
+
+def _u8(t: torch.Tensor) -> torch.Tensor:
+    import torch
+
+    if not t.is_contiguous():
+        raise ValueError("pool must be contiguous")
+    flat = t.reshape(-1)
+    return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
+
+
+def _pick(engine: Engine, pools: list[Any], launch_device: int | None) -> Engine:
+    cuda = [_is_cuda(p) for p in pools]
+    if engine == "host":
+        if any(cuda):
+            raise ValueError("engine='host' needs host pools")
+        return "host"
+    if engine == "kernel":
+        if not all(cuda):
+            raise ValueError("engine='kernel' needs CUDA pools")
+        if launch_device is None or not kernel_available(launch_device):
+            raise RuntimeError("the regroup kernel is unavailable here (see regroup.kernel_unavailable)")
+        return "kernel"
+    if engine == "torch":
+        return "torch"
+    if not any(cuda):
+        return "host"
+    if all(cuda) and launch_device is not None and kernel_available(launch_device):
+        return "kernel"
+    return "torch"
+
+
+def _stream(stream: Any, device: int) -> Any:
+    import torch
+
+    return stream if stream is not None else torch.cuda.current_stream(device)
+
+
+def _record(stream: Any) -> Any:
+    import torch
+
+    ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    ev.record(stream)
+    return ev
+
+
+def _grids(p: Plan, src_rank: int, dst_ranks: list[int]) -> list[PairGrid]:
+    out = []
+    for d in dst_ranks:
+        g = pair_grid(p, src_rank, d)
+        if g is not None and g.nruns:
+            out.append(g)
+    return out
+
+
+def _check_size(name: str, pool: Any, need: int) -> None:
+    have = hostkernel.as_bytes(pool).size if not _is_cuda(pool) else pool.numel() * pool.element_size()
+    if have < need:
+        raise ValueError(f"{name} holds {have} bytes, the regroup touches {need}")
+
+
+def _launch(dev: int, launches: list[kernel.PairLaunch], stream: Any, nbytes: int, tile_bytes: int) -> Completion:
+    k = kernel.kernel_for(dev)
+    assert k is not None
+    table, npairs, tiles = kernel.pack(launches, tile_bytes)
+    return Completion("kernel", nbytes, [k.run(table, npairs, tiles, stream.cuda_stream)])
+
+
+def _torch_range(grid: PairGrid, src: Any, dst: Any, lo: int, hi: int, *, src_packed: bool, dst_packed: bool) -> None:
+    """The torch path for stream bytes [lo, hi): the host twin's row tables, on the devices."""
+    import torch
+
+    from kvd.regroup.stager import elem_width, torch_rows
+
+    row = hostkernel.row_bytes(grid, lo, hi, src_packed=src_packed, dst_packed=dst_packed)
+    src_u8, dst_u8 = _u8(src), _u8(dst)
+    w = elem_width(row, src_u8, dst_u8)
+    src_rows, dst_rows = torch_rows(src_u8, row, w), torch_rows(dst_u8, row, w)
+    step = max(1, TORCH_STEP_BYTES // row)
+    for si, di in row_tables(grid, lo, hi, row, src_packed=src_packed, dst_packed=dst_packed, step_rows=step):
+        sidx = torch.from_numpy(si).to(src_rows.device)
+        didx = torch.from_numpy(di).to(dst_rows.device)
+        buf = torch.index_select(src_rows, 0, sidx)
+        dst_rows.index_copy_(0, didx, buf.to(dst_rows.device))
+
+
+def _run_pairs(
+    engine: Engine,
+    items: list[tuple[PairGrid, Any, Any, int, int, bool, bool]],
+    launch_device: int | None,
+    stream: Any,
+    tile_bytes: int,
+) -> Completion:
+    """Move ``(grid, src, dst, lo, hi, src_packed, dst_packed)`` items with ``engine``."""
+    nbytes = sum(hi - lo for _, _, _, lo, hi, _, _ in items)
+    for g, src, dst, lo, hi, sp, dp in items:
+        if not 0 <= lo <= hi <= g.nbytes:
+            raise ValueError(f"range [{lo}, {hi}) outside pair ({g.src}, {g.dst})'s {g.nbytes}-byte stream")
+        _check_size("staging" if sp else "source pool", src, hi - lo if sp else g.extent("src"))
+        _check_size("staging" if dp else "destination pool", dst, hi - lo if dp else g.extent("dst"))
+    if engine == "host":
+        for g, src, dst, lo, hi, sp, dp in items:
+            hostkernel.copy_range(g, hostkernel.as_bytes(src), hostkernel.as_bytes(dst), lo, hi,
+                                  src_packed=sp, dst_packed=dp)
+        return Completion("host", nbytes)
+    import torch
+
+    if engine == "kernel":
+        assert launch_device is not None
+        k = kernel.kernel_for(launch_device)
+        assert k is not None
+        launches = []
+        for g, src, dst, lo, hi, sp, dp in items:
+            for t in (src, dst):
+                if t.device.index != launch_device and not k.enable_peer(int(t.device.index)):
+                    return _run_pairs("torch", items, launch_device, stream, tile_bytes)
+            launches.append(kernel.PairLaunch(g, src.data_ptr(), dst.data_ptr(), lo, hi, sp, dp))
+        return _launch(launch_device, launches, _stream(stream, launch_device), nbytes, tile_bytes)
+    # torch: on the launching device's stream; other devices' current streams order the rest
+    devices = sorted({t.device.index for _, s, d, *_ in items for t in (s, d) if t.is_cuda})
+    dev = launch_device if launch_device is not None else (devices[0] if devices else None)
+    if dev is None:  # CPU tensors forced onto the torch path (tests)
+        for g, src, dst, lo, hi, sp, dp in items:
+            _torch_range(g, src, dst, lo, hi, src_packed=sp, dst_packed=dp)
+        return Completion("torch", nbytes)
+    st = _stream(stream, dev)
+    with torch.cuda.device(dev), torch.cuda.stream(st):
+        for g, src, dst, lo, hi, sp, dp in items:
+            _torch_range(g, src, dst, lo, hi, src_packed=sp, dst_packed=dp)
+    events = [_record(st)] + [_record(torch.cuda.current_stream(o)) for o in devices if o != dev]
+    return Completion("torch", nbytes, events)
+
+
+def regroup(
+    plan: Plan,
+    src_rank: int,
+    src_pool: Any,
+    dst_pools: Mapping[int, Any],
+    *,
+    stream: Any = None,
+    engine: Engine = "auto",
+    tile_bytes: int = kernel.TILE_BYTES,
+    launch_on: LaunchOn = "src",
+) -> Completion:
+    """Move every pair ``(src_rank, d)`` of ``plan`` from ``src_pool`` into ``dst_pools[d]``
+    (pools as flat bytes, laid out as the plan's layouts say). Ranks of ``dst_pools`` that the
+    source rank does not feed are ignored; a fed rank missing from it is a ``KeyError``.
+
+    ``launch_on="src"``: one launch on the source GPU storing into the destinations (push);
+    ``"dst"``: one launch per destination GPU loading from the source (pull), each on that
+    GPU's current stream, or ``stream`` for the launch on ``stream``'s own GPU. Pull is for
+    destinations this process mapped by CUDA IPC on their own GPU: such a mapping belongs to
+    that GPU's context, and another GPU's kernel cannot address it (measured:
+    ``CUDA_ERROR_ILLEGAL_ADDRESS``), while the source pool, plain device memory, is reachable
+    from any peer GPU."""
+    dsts = [d for s, d in plan.pairs() if s == src_rank]
+    grids = _grids(plan, src_rank, dsts)
+    items = [(g, src_pool, dst_pools[g.dst], 0, g.nbytes, False, False) for g in grids]
+    src_dev = src_pool.device.index if _is_cuda(src_pool) else None
+    if launch_on == "src" or src_dev is None or not items:
+        eng = _pick(engine, [src_pool, *(dst_pools[g.dst] for g in grids)], src_dev)
+        return _run_pairs(eng, items, src_dev, stream, tile_bytes)
+    by_dev: dict[int, list[tuple[PairGrid, Any, Any, int, int, bool, bool]]] = {}
+    for it in items:
+        dst = it[2]
+        if not _is_cuda(dst):
+            raise ValueError("launch_on='dst' needs CUDA destination pools")
+        by_dev.setdefault(dst.device.index, []).append(it)
+    parts = [
+        _run_pairs(_pick(engine, [src_pool, *(it[2] for it in its)], dev), its, dev,
+                   stream if stream is not None and stream.device.index == dev else None, tile_bytes)
+        for dev, its in sorted(by_dev.items())
+    ]
+    return Completion(parts[0].engine if len({c.engine for c in parts}) == 1 else "mixed",
+                      sum(c.nbytes for c in parts), [e for c in parts for e in c._events])
+
+
+def _chunk(
+    plan: Plan, src_rank: int, dst_rank: int, offset: int, nbytes: int
+) -> PairGrid:
+    g = pair_grid(plan, src_rank, dst_rank)
+    if g is None:
+        raise ValueError(f"pair ({src_rank}, {dst_rank}) moves nothing in this plan")
+    if offset < 0 or nbytes < 0 or offset + nbytes > g.nbytes:
+        raise ValueError(f"chunk [{offset}, {offset + nbytes}) outside the pair's {g.nbytes}-byte stream")
+    return g
+
+
+def gather_chunk(
+    plan: Plan,
+    src_rank: int,
+    dst_rank: int,
+    src_pool: Any,
+    staging: Any,
+    *,
+    offset: int,
+    nbytes: int,
+    stream: Any = None,
+    engine: Engine = "auto",
+    tile_bytes: int = kernel.TILE_BYTES,
+) -> Completion:
+    """Pack stream bytes ``[offset, offset + nbytes)`` of pair (src_rank, dst_rank) from
+    ``src_pool`` into ``staging[:nbytes]``."""
+    g = _chunk(plan, src_rank, dst_rank, offset, nbytes)
+    dev = src_pool.device.index if _is_cuda(src_pool) else None
+    eng = _pick(engine, [src_pool, staging], dev)
+    return _run_pairs(eng, [(g, src_pool, staging, offset, offset + nbytes, False, True)], dev, stream, tile_bytes)
+
+
+def scatter_chunk(
+    plan: Plan,
+    src_rank: int,
+    dst_rank: int,
+    staging: Any,
+    dst_pool: Any,
+    *,
+    offset: int,
+    nbytes: int,
+    stream: Any = None,
+    engine: Engine = "auto",
+    tile_bytes: int = kernel.TILE_BYTES,
+) -> Completion:
+    """Unpack ``staging[:nbytes]`` into stream bytes ``[offset, offset + nbytes)`` of pair
+    (src_rank, dst_rank) in ``dst_pool`` (launched on the destination GPU)."""
+    g = _chunk(plan, src_rank, dst_rank, offset, nbytes)
+    dev = dst_pool.device.index if _is_cuda(dst_pool) else None
+    eng = _pick(engine, [staging, dst_pool], dev)
+    return _run_pairs(eng, [(g, staging, dst_pool, offset, offset + nbytes, True, False)], dev, stream, tile_bytes)

@@ -1,0 +1,109 @@
+"""The regroup kernel's host twin: the same runs, the same stream, on host memory with numpy.
+
+Host pools (CPU machines, tests, the demo) get exactly the semantics of the CUDA kernel
+(:mod:`kvd.regroup.kernel`): a pair's runs (:class:`~kvd.regroup.table.PairGrid`) copied
+pool to pool, gathered into a packed staging buffer, or scattered from one, for any byte range
+of the pair's stream. Vectorised: the pools are viewed as rows of R bytes (R = the largest
+power of two up to 16 KiB dividing every offset, the run and the range), the row indices of a
+step of rows are computed with numpy (:func:`~kvd.regroup.table.row_tables`), and each step is
+one ``np.take`` into scratch plus one fancy-indexed store; Python loops once per step of
+``STEP_BYTES``, never per row.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from kvd.regroup.table import PairGrid, row_tables
+
+__all__ = ["STEP_BYTES", "as_bytes", "copy_range", "row_bytes"]
+
+#: Bytes moved per indexed step (bounds the scratch buffer; see kvd.regroup.plan.APPLY_STEP_BYTES for
+#: why 16 MiB stays fast on glibc).
+STEP_BYTES = 16 << 20
+#: Largest row considered: big enough that per-row indexing costs nothing next to the copy.
+MAX_ROW = 16 << 10
+
+U8 = npt.NDArray[np.uint8]
+
+
+def as_bytes(pool: Any) -> U8:
+    """A C-contiguous numpy array or CPU torch tensor (any dtype) as flat uint8 numpy, no copy."""
+    if isinstance(pool, np.ndarray):
+        if not pool.flags.c_contiguous:
+            raise ValueError("pool must be C-contiguous")
+        flat: U8 = pool.reshape(-1).view(np.uint8)
+        return flat
+    import torch
+
+    if not isinstance(pool, torch.Tensor) or pool.device.type != "cpu":
+        raise TypeError(f"host pools are numpy arrays or CPU torch tensors, got {type(pool).__name__}")
+    if not pool.is_contiguous():
+        raise ValueError("pool must be contiguous")
+    t = pool.reshape(-1)
+    if t.dtype != torch.uint8:
+        t = t.view(torch.uint8)
+    out: U8 = t.numpy()
+    return out
+
+
+def row_bytes(grid: PairGrid, lo: int, hi: int, *, src_packed: bool, dst_packed: bool) -> int:
+    """Row size for copying stream bytes ``[lo, hi)`` of ``grid``: the largest power of two
+    (up to :data:`MAX_ROW`) dividing the run, the range ends and the pool-side offsets."""
+    g = math.gcd(grid.run, lo, hi, MAX_ROW)
+    for side, packed in (("src", src_packed), ("dst", dst_packed)):
+        if packed:
+            continue
+        base, strides, table = (
+            (grid.src_base, grid.src_strides, grid.src_table)
+            if side == "src"
+            else (grid.dst_base, grid.dst_strides, grid.dst_table)
+        )
+        g = math.gcd(g, base, *strides)
+        if table.size:
+            g = math.gcd(g, int(np.gcd.reduce(table)))
+    return 1 << ((g & -g).bit_length() - 1)
+
+
+def _rows(flat: U8, row: int) -> U8:
+    n = flat.size // row
+    out: U8 = flat[: n * row].reshape(n, row)
+    return out
+
+
+def copy_range(
+    grid: PairGrid,
+    src: U8,
+    dst: U8,
+    lo: int,
+    hi: int,
+    *,
+    src_packed: bool = False,
+    dst_packed: bool = False,
+) -> int:
+    """Copy stream bytes ``[lo, hi)`` of ``grid`` from ``src`` to ``dst`` (flat uint8 arrays).
+
+    A packed side holds the range back to back from its first byte (a staging buffer); the
+    other side is the pool. Returns the bytes copied. Bounds are checked before any write.
+    """
+    if hi <= lo:
+        return 0
+    if not 0 <= lo < hi <= grid.nbytes:
+        raise ValueError(f"range [{lo}, {hi}) outside the pair's {grid.nbytes}-byte stream")
+    for side, arr, packed in (("src", src, src_packed), ("dst", dst, dst_packed)):
+        need = hi - lo if packed else grid.extent(side)  # type: ignore[arg-type]
+        if arr.size < need:
+            raise ValueError(f"{side} holds {arr.size} bytes, the copy touches {need}")
+    row = row_bytes(grid, lo, hi, src_packed=src_packed, dst_packed=dst_packed)
+    src_rows, dst_rows = _rows(src, row), _rows(dst, row)
+    step = max(1, STEP_BYTES // row)
+    scratch = np.empty((min(step, (hi - lo) // row), row), dtype=np.uint8)
+    for si, di in row_tables(grid, lo, hi, row, src_packed=src_packed, dst_packed=dst_packed, step_rows=step):
+        n = si.size
+        np.take(src_rows, si, axis=0, out=scratch[:n])
+        dst_rows[di] = scratch[:n]
+    return hi - lo
