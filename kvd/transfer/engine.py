@@ -56,8 +56,8 @@ if TYPE_CHECKING:
 log = structlog.get_logger("kvd.transfer")
 
 _ROLE = {f.Role.CTX: "ctx", f.Role.GEN: "gen"}
-#: How long an ended request is remembered after its last executor let go (at least until its
-#: deadline): a late rank is told how it ended, and its id is not reused by mistake meanwhile.
+#: How long a request that ended before all its ranks registered is remembered after its last
+#: executor let go: a late rank is told how it ended instead of starting a new request.
 TOMBSTONE_S = 10.0
 #: Ended requests a session may leave uncollected (never waited for) before the oldest are dropped.
 MAX_UNCOLLECTED = 1024
@@ -151,7 +151,7 @@ class Engine:
         return len(self.links.links) if self.links is not None else 0
 
     def transfer_infos(self) -> list[m.TransferInfo]:
-        return [info for t in self.transfers.values() for info in t.info()]
+        return [info for t in self.transfers.values() if not t.forgetting for info in t.info()]
 
     # -- executor requests ------------------------------------------------------------------
     def _check_peer(self, peer: str) -> None:
@@ -204,9 +204,11 @@ class Engine:
             raise BadRequest(f"request {rid!r}: publish needs the gen peer's node name")
         pool.blocks.check_leased(session.id, msg.block_ids)  # the caller's own mistakes first
         self._check_peer(msg.peer)
-        if rid in self._by_session.get(session.id, {}) and self._by_session[session.id][rid].sides.get(role) is None:
-            raise DuplicateRequest(f"request {rid!r}: this session already registered it for the other side")
         key_peer, t = self._find(role, rid, msg.peer)
+        earlier = self._by_session.get(session.id, {}).get(rid)
+        if earlier is not None and earlier is not t:
+            raise DuplicateRequest(f"request {rid!r}: this session registered it already, with another peer "
+                                   f"({earlier.peer or 'none yet'}); its wait and cancel name one request")
         if t is not None:
             st = t.machine.state(role)
             if st is f.State.FAILED:
@@ -295,6 +297,8 @@ class Engine:
             found = [t2 for (_p, r), t2 in self.transfers.items() if r == rid]
             if not found:
                 raise NotFound(f"no request {rid!r}")
+            if any(p.session is session for t2 in found for side in t2.sides.values() for p in side.parts.values()):
+                return  # this session's request, already ended and collected: nothing to cancel
             if not msg.force:
                 raise PermissionDenied(f"request {rid!r} was registered by another session; "
                                        "only it (or an operator with force) may cancel it")
@@ -349,15 +353,18 @@ class Engine:
         if not t.finished.is_set():
             return
         gone = all(p.session_gone for s in t.sides.values() for p in s.parts.values())
-        if gone and self.transfers.get(t.key) is t and not t.forgetting:
-            # kept a little longer: a late rank or a late message still learns how it ended
-            t.forgetting = True
-            assert self._nursery is not None
-            self._nursery.start_soon(self._forget_later, t)
+        if not gone or self.transfers.get(t.key) is not t or t.forgetting:
+            return
+        t.forgetting = True
+        if all(r in t.sides and t.sides[r].complete for r in t.machine.here):
+            del self.transfers[t.key]  # every rank here registered and heard the outcome
+            return
+        # a side ended before all its ranks registered: a late rank still learns how it ended
+        assert self._nursery is not None
+        self._nursery.start_soon(self._forget_later, t)
 
     async def _forget_later(self, t: Transfer) -> None:
-        await trio.sleep_until(max(t.machine.deadline if math.isfinite(t.machine.deadline) else 0.0,
-                                   trio.current_time() + TOMBSTONE_S))
+        await trio.sleep(TOMBSTONE_S)
         if self.transfers.get(t.key) is t:
             del self.transfers[t.key]
 
