@@ -105,7 +105,7 @@ async def test_no_write_lands_after_failure(daemon_factory: Factory, short_tmp: 
             await _until(g, lambda _s, chunks: chunks >= 1, "no write landed")
             pair.ctx.proc.send_signal(signal.SIGSTOP)
             stopped = True
-            state, chunks = await _gen_progress(g)
+            state, _chunks = await _gen_progress(g)
             assert state != "done", "the transfer ended before the sender was frozen"
 
             if fault == "gen_cancel":
