@@ -135,6 +135,10 @@ class Client:
     def transfers(self) -> list[m.TransferInfo]:
         return self._call(m.ListTransfers(id=self._id()), m.TransfersReply).transfers
 
+    def peers(self) -> list[m.PeerInfo]:
+        """Peer daemons: live links and configured peers not connected."""
+        return self._call(m.ListPeers(id=self._id()), m.PeersReply).peers
+
     def config(self) -> str:
         return self._call(m.GetConfig(id=self._id()), m.ConfigReply).config_json
 

@@ -152,6 +152,10 @@ class AsyncClient:
     async def transfers(self) -> list[m.TransferInfo]:
         return (await self._call(m.ListTransfers(id=self._id()), m.TransfersReply)).transfers
 
+    async def peers(self) -> list[m.PeerInfo]:
+        """Peer daemons: live links and configured peers not connected."""
+        return (await self._call(m.ListPeers(id=self._id()), m.PeersReply)).peers
+
     async def config(self) -> str:
         """The daemon's effective configuration as JSON."""
         return (await self._call(m.GetConfig(id=self._id()), m.ConfigReply)).config_json

@@ -1,7 +1,9 @@
 """``kvctl``: the operator's view of a running kvd.
 
 Commands: ``status``, ``stats``, ``ping``, ``pools``, ``sessions``, ``transfers``
-(``--watch`` for live progress), ``drain``, ``config``. Tables for people (rich),
+(``--watch`` for live progress; finished transfers stay listed with their outcome),
+``peers``, ``drain``, ``config``. Tables for people (rich) on a terminal; when stdout is not
+a terminal (a pipe, a file, ``watch``), plain space-aligned columns that are never cut;
 ``--json`` for scripts. Exit codes: 0 ok, 1 the daemon answered with an error,
 2 usage error, 3 cannot reach the daemon.
 """
@@ -27,6 +29,11 @@ def _gb(n: int) -> str:
 
 
 def _print_table(title: str, columns: list[str], rows: list[list[Any]]) -> None:
+    """A rich table on a terminal; plain columns, at full width, anywhere else."""
+    if not sys.stdout.isatty():
+        print(title)
+        print(plain_columns(columns, rows))
+        return
     from rich.console import Console
     from rich.table import Table
 
@@ -36,6 +43,13 @@ def _print_table(title: str, columns: list[str], rows: list[list[Any]]) -> None:
     for row in rows:
         table.add_row(*(str(v) for v in row))
     Console().print(table)
+
+
+def plain_columns(columns: list[str], rows: list[list[Any]]) -> str:
+    """Left-aligned columns separated by two spaces; no cell is ever cut or wrapped."""
+    cells = [columns, *[[str(v) for v in row] for row in rows]]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells)
 
 
 def _pools_rows(pools: list[m.PoolInfo]) -> list[list[Any]]:
@@ -69,6 +83,15 @@ def _transfer_rows(transfers: list[m.TransferInfo]) -> list[list[Any]]:
                      f"{_gb(t.bytes_done)}{total}", _bar(t.bytes_done, t.bytes_total), f"{t.duration_s:.2f}s",
                      t.error or ""])
     return rows
+
+
+PEER_COLUMNS = ["peer", "state", "direction", "remote", "last heard", "transfers", "mapped", "error"]
+
+
+def _peer_rows(peers: list[m.PeerInfo]) -> list[list[Any]]:
+    return [[p.node, p.state, p.direction, p.remote or "-",
+             f"{p.last_heard_s:.1f}s ago" if p.last_heard_s >= 0 else "never", p.transfers_active,
+             "yes" if p.mapped else "no", p.error] for p in peers]
 
 
 def _transfers(kvd: Client, args: argparse.Namespace) -> None:
@@ -129,6 +152,9 @@ def run(args: argparse.Namespace) -> int:
                                                  f"{s.connected_s:.0f}s"] for s in ss]))
         elif cmd == "transfers":
             _transfers(kvd, args)
+        elif cmd == "peers":
+            peers = kvd.peers()
+            _out(args, peers, lambda: _print_table("peers", PEER_COLUMNS, _peer_rows(peers)))
         elif cmd == "drain":
             kvd.drain()
             _out(args, {"ok": True}, lambda: print("draining: the daemon finishes in-flight transfers and exits"))
@@ -136,6 +162,19 @@ def run(args: argparse.Namespace) -> int:
             cfg = kvd.config()
             print(cfg if args.json else msgspec.json.format(cfg.encode(), indent=2).decode())
     return EXIT_OK
+
+
+def _ping_until_up(args: argparse.Namespace) -> int:
+    """``ping --wait``: a daemon that is still starting (no socket yet, or not accepting) is
+    retried every 0.1 s until it answers or the time is up (then the last error, exit 3)."""
+    deadline = time.monotonic() + args.wait
+    while True:
+        try:
+            return run(args)
+        except ConnectionClosed:
+            if time.monotonic() >= deadline:
+                raise
+        time.sleep(0.1)
 
 
 def _out(args: argparse.Namespace, obj: Any, human: Any) -> None:
@@ -195,11 +234,16 @@ def main(argv: list[str] | None = None) -> int:
         "ping": "round trip to the daemon",
         "pools": "pools: memory kind, fallback, occupancy",
         "sessions": "connected executors",
+        "peers": "peer daemons: link state, last heard from, transfers in flight",
         "drain": "finish in-flight transfers, take no new work, exit",
         "config": "the daemon's effective configuration",
     }
     for name, text in helps.items():
-        sub.add_parser(name, parents=[common], help=text, description=text)
+        if name != "ping":
+            sub.add_parser(name, parents=[common], help=text, description=text)
+    p_ping = sub.add_parser("ping", parents=[common], help=helps["ping"], description=helps["ping"])
+    p_ping.add_argument("--wait", type=_positive, metavar="SECONDS",
+                        help="retry until the daemon answers or SECONDS pass (scripts that start kvd)")
     p_tr = sub.add_parser("transfers", parents=[common], help="transfers in progress and recently finished",
                           description="transfers in progress and recently finished, with their progress")
     p_tr.add_argument("--watch", "-w", action="store_true", help="refresh until interrupted (Ctrl-C)")
@@ -210,6 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exc:
         return EXIT_USAGE if exc.code else EXIT_OK
     try:
+        if args.command == "ping" and args.wait:
+            return _ping_until_up(args)
         return run(args)
     except ConnectionClosed as exc:
         print(f"kvctl: {exc}", file=sys.stderr)

@@ -6,20 +6,67 @@ import argparse
 import os
 import sys
 
+from kvd.startup import StartupError, one_line
 from protocol.errors import KvdError
 
 
 def _serve(args: argparse.Namespace) -> int:
+    """Run the daemon; a failure is one ``kvd: error:`` line, one log line and an exit status."""
     import trio
 
     from kvd.config import load_config
+    from kvd.daemon import check_limits
     from kvd.ops.logs import configure_logging
     from kvd.server import serve
+    from kvd.startup import config_error, explain
 
-    config = load_config(args.config)
+    try:
+        config = load_config(args.config)
+        check_limits(config.limits)
+    except KvdError as exc:
+        _configure_logging_from_env()
+        return _report(config_error(args.config, exc), stage="startup")
     configure_logging(config.log_format, config.log_level)
-    trio.run(serve, config)
+    ready = False
+
+    async def run() -> None:
+        nonlocal ready
+        async with trio.open_nursery() as nursery:
+            await nursery.start(serve, config)
+            ready = True
+
+    try:
+        trio.run(run)
+    except (Exception, BaseExceptionGroup) as exc:
+        if isinstance(exc, BaseExceptionGroup) and exc.subgroup(KeyboardInterrupt) is not None:
+            return 130
+        return _report(explain(exc), stage="running" if ready else "startup", cause=exc)
     return 0
+
+
+def _configure_logging_from_env() -> None:
+    """Logging for a daemon whose configuration could not be read: ``KVD_LOG_*`` or defaults."""
+    from kvd.ops.logs import configure_logging
+
+    try:
+        configure_logging(os.environ.get("KVD_LOG_FORMAT") or "auto", os.environ.get("KVD_LOG_LEVEL") or "info")
+    except ValueError:
+        configure_logging("auto", "info")
+
+
+def _report(error: StartupError, *, stage: str, cause: BaseException | None = None) -> int:
+    """One structured log line and one stderr line; returns the exit status."""
+    import structlog
+
+    log = structlog.get_logger("kvd.server")
+    fields = {"reason": error.message, "setting": error.setting or None, "code": error.code,
+              "exc_info": cause if error.internal else None}
+    if stage == "startup":
+        log.error("daemon.startup_failed", **fields)
+    else:
+        log.error("daemon.failed", **fields)
+    print(f"kvd: error: {error.message}", file=sys.stderr)
+    return error.exit_code
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,9 +76,25 @@ def main(argv: list[str] | None = None) -> int:
     p_serve = sub.add_parser("serve", help="run the daemon")
     p_serve.add_argument("--config", "-c", default=os.environ.get("KVD_CONFIG"), help="TOML configuration file")
     sub.add_parser("demo", help="two daemons, a regrouped TP1 -> TP4 transfer over NIXL, verified", add_help=False)
-    p_bench = sub.add_parser("bench", help="benchmarks that print figures", add_help=False)
-    p_bench.add_argument("what", choices=["ipc", "regroup", "transfer"])
+    benches = {
+        "ipc": "executor <-> daemon round trips over the Unix socket",
+        "regroup": "the regroup copies (gather/scatter, box copies) [--device cuda]",
+        "transfer": "two daemons end to end against raw NIXL [--device cuda] [--json]",
+    }
+    bench_help = "\n".join(f"  {name:<10}{text}" for name, text in benches.items())
+    p_bench = sub.add_parser(
+        "bench", help="benchmarks that print figures", add_help=False, usage="kvd bench {ipc,regroup,transfer} [options]",
+        description=f"benchmarks that print figures:\n{bench_help}\n\n`kvd bench NAME --help` lists NAME's options.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    # add_help=False: `kvd bench transfer --help` must reach the benchmark's own parser
+    p_bench.add_argument("what", nargs="?", choices=list(benches), help=argparse.SUPPRESS)
     args, rest = parser.parse_known_args(argv)
+    if args.command == "bench" and args.what is None:
+        if rest in (["-h"], ["--help"]):
+            p_bench.print_help()
+            return 0
+        p_bench.error("which benchmark? one of ipc, regroup, transfer (kvd bench --help)")
     try:
         if args.command == "serve":
             if rest:
@@ -49,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
             from kvd.bench.transfer import main as bench_main
         return bench_main(rest)
     except KvdError as exc:
-        print(f"kvd: error: {exc}", file=sys.stderr)
+        print(f"kvd: error: {one_line(exc.message or str(exc))}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

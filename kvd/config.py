@@ -98,7 +98,7 @@ class TransferConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
     deadline_s: float = 60.0  # default per-transfer deadline
     bounce_wait_s: float = 5.0  # how long to wait for credits before per-fragment fallback
     descs_per_write: int = 8192  # NIXL descriptors per write on the direct/fragment paths
-    nixl_progress_thread: bool = False  # DESIGN.md: off is faster on small hosts
+    nixl_progress_thread: bool = False  # off is faster on small hosts (measured on 2 cores)
     heartbeat_interval_s: float = 2.0  # peer-link heartbeat period
     heartbeat_timeout_s: float = 10.0  # silence after which a peer is declared gone
     # Fault injection for tests and drills: a receiver that never grants bounce credit
@@ -110,19 +110,39 @@ class TransferConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
 
 
 class LimitsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """Per-daemon and per-session limits; exceeding one is a clear ``LimitExceeded``."""
+    """Per-daemon and per-session limits; exceeding one is a clear ``LimitExceeded``.
+
+    See ``docs/security.md`` for what each one defends against.
+    """
 
     max_sessions: int = 1024
     max_inflight_per_session: int = 256
     max_blocks_per_session: int = 1 << 30
     max_frame_size: int = DEFAULT_MAX_FRAME_SIZE
+    #: A connection (executor socket or peer port) must finish its handshake within this.
+    handshake_timeout_s: float = 10.0
+    #: Executor connections accepted but not yet through Hello (they are not sessions yet).
+    max_pending_connections: int = 256
+    #: Peer-port connections not yet authenticated.
+    max_pending_peers: int = 16
+    #: Extra sessions and pending connections only operators may use beyond the limits above,
+    #: so an operator can always connect (``kvctl``), whatever the other clients do.
+    operator_reserve: int = 4
+    #: Ranks one request may name on this daemon (its participants; each registers here).
+    max_ranks_per_request: int = 256
 
 
 class AccessConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """Who may connect to the Unix socket (SO_PEERCRED). Empty lists = the daemon's own group."""
+    """Who may connect to the Unix socket (SO_PEERCRED). Empty lists = the daemon's own group.
+
+    ``operator_gids``: members of these groups are operators (besides root and the daemon's
+    own uid): they may use the verbs that change the daemon itself (``drain``) and the
+    ``operator_reserve`` of connection slots.
+    """
 
     allowed_uids: tuple[int, ...] = ()
     allowed_gids: tuple[int, ...] = ()
+    operator_gids: tuple[int, ...] = ()
 
 
 class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

@@ -3,24 +3,28 @@
 ``Daemon`` ties the actors together: the pools (one per configured device/rank), the
 sessions, the transfer engine and the counters behind ``Stats``. All of it lives on the
 trio thread; every mutation happens between two awaits, so each operation is atomic with
-respect to every other session (the actor rule of DESIGN.md without a channel hop for the
+respect to every other session (actors that own their state, without a channel hop for the
 sub-microsecond allocator operations). Slow work (pool creation, NIXL registration,
 gather/scatter) goes through ``trio.to_thread``.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import structlog
 import trio
 
 from kvd.config import Config, LimitsConfig, config_to_json
+from kvd.ops.history import TransferHistory
+from kvd.ops.peers import peer_infos
 from protocol import messages as m
-from protocol.errors import BadRequest, Draining, LimitExceeded, NotFound
+from protocol.errors import BadRequest, Draining, LimitExceeded, NotFound, PermissionDenied
+from protocol.limits import MAX_DEADLINE_S
 
 if TYPE_CHECKING:
     from kvd.executor.peercred import AccessPolicy
@@ -28,8 +32,10 @@ if TYPE_CHECKING:
     from kvd.ops.metrics import Metrics
     from kvd.pool import Pool
     from kvd.transfer.engine import Engine
+    from kvd.transfer.requests import Side
 
 log = structlog.get_logger("kvd.daemon")
+_T = TypeVar("_T")
 
 
 def kvd_version() -> str:
@@ -46,15 +52,52 @@ MIN_FRAME_SIZE = 4096
 
 def check_limits(limits: LimitsConfig) -> None:
     """Refuse ``[limits]`` values that would break every session (raises :class:`BadRequest`)."""
-    for name in ("max_sessions", "max_inflight_per_session", "max_blocks_per_session"):
+    for name in (
+        "max_sessions",
+        "max_inflight_per_session",
+        "max_blocks_per_session",
+        "max_pending_connections",
+        "max_pending_peers",
+        "max_ranks_per_request",
+    ):
         value = getattr(limits, name)
         if value < 1:
             raise BadRequest(f"invalid configuration: [limits] {name} must be at least 1, got {value}")
+    if limits.operator_reserve < 0:
+        raise BadRequest(
+            f"invalid configuration: [limits] operator_reserve must be >= 0, got {limits.operator_reserve}"
+        )
     if limits.max_frame_size < MIN_FRAME_SIZE:
         raise BadRequest(
             f"invalid configuration: [limits] max_frame_size must be at least {MIN_FRAME_SIZE}, "
             f"got {limits.max_frame_size}"
         )
+    _check_seconds("[limits] handshake_timeout_s", limits.handshake_timeout_s, positive=True)
+
+
+def _check_seconds(name: str, value: float, *, positive: bool) -> None:
+    ok = math.isfinite(value) and (value > 0 if positive else value >= 0) and value <= MAX_DEADLINE_S
+    if not ok:
+        bound = "> 0" if positive else ">= 0"
+        raise BadRequest(
+            f"invalid configuration: {name} must be finite, {bound} and at most {MAX_DEADLINE_S:g} s, got {value}"
+        )
+
+
+def check_config(config: Config) -> None:
+    """Refuse a configuration whose limits or durations cannot work (raises :class:`BadRequest`)."""
+    check_limits(config.limits)
+    _check_seconds("drain_timeout_s", config.drain_timeout_s, positive=False)
+    t = config.transfer
+    _check_seconds("[transfer] deadline_s", t.deadline_s, positive=True)
+    _check_seconds("[transfer] bounce_wait_s", t.bounce_wait_s, positive=False)
+    _check_seconds("[transfer] heartbeat_interval_s", t.heartbeat_interval_s, positive=True)
+    _check_seconds("[transfer] heartbeat_timeout_s", t.heartbeat_timeout_s, positive=True)
+
+
+def _page(items: list[_T], offset: int, limit: int) -> list[_T]:
+    """``items[offset : offset + limit]``; ``limit`` 0 = to the end."""
+    return items[offset : offset + limit] if limit else items[offset:]
 
 
 @dataclass
@@ -85,11 +128,14 @@ class Daemon:
         self.access = access
         self.metrics = metrics
         self.sessions: dict[int, Session] = {}
+        #: Executor connections accepted but not yet through Hello (not sessions yet).
+        self.pending_connections = 0
         self.counters = Counters()
         self.started = time.monotonic()
         self.draining = False
         self.stop_requested = trio.Event()
         self.engine: Engine | None = None
+        self.history = TransferHistory()
 
     # -- sessions ---------------------------------------------------------------------------
     def add_session(self, session: Session) -> None:
@@ -125,14 +171,22 @@ class Daemon:
         if isinstance(msg, m.ListPools):
             return m.PoolsReply(id=msg.id, pools=self.pool_infos()), []
         if isinstance(msg, m.ListSessions):
-            infos = [s.info(self.blocks_leased_by(s.id)) for s in self.sessions.values()]
-            return m.SessionsReply(id=msg.id, sessions=infos), []
+            sessions = _page(list(self.sessions.values()), msg.offset, msg.limit)
+            infos = [s.info(self.blocks_leased_by(s.id)) for s in sessions]
+            return m.SessionsReply(id=msg.id, sessions=infos, total=len(self.sessions)), []
         if isinstance(msg, m.ListTransfers):
-            transfers = self.engine.transfer_infos() if self.engine is not None else []
-            return m.TransfersReply(id=msg.id, transfers=transfers), []
+            live = self.engine.transfer_infos() if self.engine is not None else []
+            transfers = self.history.merged(live)
+            page = _page(transfers, msg.offset, msg.limit)
+            return m.TransfersReply(id=msg.id, transfers=page, total=len(transfers)), []
+        if isinstance(msg, m.ListPeers):
+            return m.PeersReply(id=msg.id, peers=peer_infos(self.config, self.engine)), []
         if isinstance(msg, m.GetConfig):
             return m.ConfigReply(id=msg.id, config_json=config_to_json(self.config)), []
         if isinstance(msg, m.Drain):
+            # sessions answer Drain themselves (kvd.executor.session); this path keeps the same rule
+            if not session.operator:
+                raise PermissionDenied(f"drain needs an operator: {self.access.operator_rule()}")
             self.request_stop("drain requested by client", session)
             return m.Ok(id=msg.id), []
         if isinstance(msg, m.AttachPool):
@@ -156,6 +210,7 @@ class Daemon:
                     f"max_inflight_per_session={self.config.limits.max_inflight_per_session} "
                     "registered requests reached"
                 )
+            self._check_geometry(msg)
             engine = self._engine()
             await engine.register(session, msg)
             self.counters.requests_registered += 1
@@ -174,6 +229,30 @@ class Daemon:
             raise NotFound("this daemon has no transfer engine running")
         return self.engine
 
+    def _check_geometry(self, msg: m.Expect | m.Publish) -> None:
+        """Bound a registration by what this daemon can really hold, before anything is sized.
+
+        The protocol already bounds a layout (at most ``MAX_WORLD_SIZE`` ranks); here the
+        participants (every one must register on this daemon) are bounded by
+        ``[limits] max_ranks_per_request`` and the blocks by the pool's size.
+        """
+        limit = self.config.limits.max_ranks_per_request
+        world = msg.layout.world_size
+        participants = len(msg.ranks) if msg.ranks is not None else world
+        if participants > limit:
+            raise LimitExceeded(
+                f"request {msg.request_id!r}: {participants} participating ranks (layout tp_size="
+                f"{msg.layout.tp_size}, pp_size={msg.layout.pp_size}) exceed [limits] max_ranks_per_request={limit}"
+            )
+        if not 0 <= msg.rank < world:
+            raise BadRequest(f"rank {msg.rank} is outside the layout's world size {world}")
+        pool = self.pool(msg.pool)
+        if len(msg.block_ids) > pool.layout.num_blocks:
+            raise BadRequest(
+                f"request {msg.request_id!r}: {len(msg.block_ids)} block ids, pool {msg.pool!r} has "
+                f"{pool.layout.num_blocks} blocks"
+            )
+
     def _alloc(self, session: Session, msg: m.Alloc) -> m.Allocated:
         pool = self.pool(msg.pool)
         limit = self.config.limits.max_blocks_per_session
@@ -185,6 +264,11 @@ class Daemon:
         ids = pool.blocks.alloc(session.id, msg.count)
         self.update_pool_metrics()
         return m.Allocated(id=msg.id, pool=msg.pool, block_ids=ids)
+
+    def transfer_finished(self, side: Side) -> None:
+        """The engine finished a transfer side (done or failed): keep it for ``kvctl transfers``."""
+        if side.completion is not None:
+            self.history.record(side.info(), side.completion)
 
     # -- stats ------------------------------------------------------------------------------
     def _pool_sessions(self, name: str) -> int:

@@ -4,28 +4,43 @@ One nursery holds every actor: the signal watcher, the systemd watchdog, the Uni
 with its session actors, the transfer engine (peer links, NIXL progress poller) and the
 optional metrics endpoint. Startup is reported with ``task_status.started(daemon)`` (and
 ``READY=1`` to systemd) only after every actor said it is up; nothing waits with a sleep.
-Shutdown (SIGTERM/SIGINT or a client's ``Drain``): ``STOPPING=1``, stop accepting, let
-in-flight transfers finish up to ``drain_timeout_s``, cancel the rest, release everything,
-unlink the socket if it is still ours.
+What the configuration alone decides (the peer secret, the socket path) is checked before any
+memory is allocated; every startup failure is a :class:`~kvd.startup.StartupError` naming
+its setting. Shutdown (SIGTERM/SIGINT or an operator's ``Drain``): ``STOPPING=1``, refuse new
+work (``Draining``) while sessions stay connected, let in-flight transfers finish up to
+``drain_timeout_s`` (``STATUS=`` names what it waits for), cancel the rest, release
+everything, unlink the socket if it is still ours.
 """
 
 from __future__ import annotations
 
 import os
+import resource
 import signal
+import socket
 from collections.abc import Mapping
 from functools import partial
+from typing import TYPE_CHECKING
 
 import structlog
 import trio
 
 from kvd.config import Config
-from kvd.daemon import Daemon, check_limits
-from kvd.executor.listener import open_unix_listener
+from kvd.daemon import Daemon, check_config
+from kvd.executor.listener import SocketInUse, UnixListener, open_unix_listener
 from kvd.executor.peercred import AccessPolicy
 from kvd.executor.session import handle_connection
+from kvd.ops.accept import accept_loop
 from kvd.ops.metrics import Metrics, serve_metrics
 from kvd.ops.notify import Notifier, run_watchdog
+from kvd.startup import EX_CONFIG, StartupError
+from protocol import messages as m
+from protocol.codec import encode
+from protocol.errors import BadRequest, KvdError, LimitExceeded
+
+if TYPE_CHECKING:
+    from kvd.pool import Pool
+    from kvd.transfer.engine import Engine
 
 log = structlog.get_logger("kvd.server")
 
@@ -48,6 +63,113 @@ async def _sample_gauges(daemon: Daemon) -> None:
         await trio.sleep(GAUGE_SAMPLE_S)
 
 
+def _check_peer_secret(config: Config) -> None:
+    """Refuse a missing, unsafe or short peer secret (and peers without one) at once."""
+    from kvd.peer import load_secret
+
+    if config.peer_secret_file:
+        try:
+            load_secret(config.peer_secret_file)
+        except KvdError as exc:
+            raise StartupError(f"peer_secret_file: {exc.message}", setting="peer_secret_file",
+                               exit_code=EX_CONFIG) from None
+    elif config.peers:
+        raise StartupError(
+            f"peer_secret_file: not set, but [[peers]] lists {', '.join(p.name for p in config.peers)}; "
+            "peer links need the shared secret: set peer_secret_file, or remove [[peers]]",
+            setting="peer_secret_file",
+            exit_code=EX_CONFIG,
+        )
+
+
+async def _open_socket(config: Config) -> UnixListener:
+    """Bind the executor socket first (connections wait in the backlog until ready)."""
+    try:
+        return await open_unix_listener(config.socket_path, config.socket_mode)
+    except SocketInUse as exc:
+        raise StartupError(
+            f"socket_path: {exc.message}; stop that daemon first, or give this one another "
+            "socket_path (KVD_SOCKET)",
+            setting="socket_path",
+        ) from None
+    except (BadRequest, OSError) as exc:
+        message = exc.message if isinstance(exc, BadRequest) else f"cannot listen on {config.socket_path}: {exc.strerror}"
+        raise StartupError(
+            f"socket_path: {message}; choose a socket_path in an existing directory this user may write "
+            "(KVD_SOCKET)",
+            setting="socket_path",
+            exit_code=EX_CONFIG,
+        ) from None
+#: How often the drain refreshes its ``STATUS=`` line (what it still waits for).
+DRAIN_STATUS_S = 1.0
+#: After the transfers: how long pending Waits may take to deliver their completions.
+DRAIN_REPLY_GRACE_S = 1.0
+DRAIN_REPLY_POLL_S = 0.01
+
+
+async def _drain(daemon: Daemon, engine: Engine, notifier: Notifier) -> None:
+    """Let in-flight transfers finish, up to ``drain_timeout_s``; say what we wait for.
+
+    New work (Alloc, Expect, Publish) is already refused (``Draining``); sessions stay
+    connected so executors can collect their completions, and ``kvctl`` can watch.
+    """
+    timeout = daemon.config.drain_timeout_s
+    deadline = trio.current_time() + timeout
+    notifier.status(f"draining: {len(engine.inflight())} transfer(s) in flight, new work refused")
+    with trio.move_on_at(deadline):
+        while inflight := engine.inflight():
+            left = max(0.0, deadline - trio.current_time())
+            shown = ", ".join(inflight[:8]) + (", ..." if len(inflight) > 8 else "")
+            notifier.status(f"draining: waiting for {len(inflight)} transfer(s) ({shown}), at most {left:.0f} s more")
+            with trio.move_on_after(DRAIN_STATUS_S):
+                await engine.wait_idle()
+    left_over = engine.inflight()
+    # Executors blocked in Wait get their completions before the sessions close (bounded: a
+    # Wait for a request that never started does not hold the stop beyond the grace).
+    with trio.move_on_at(min(deadline, trio.current_time() + DRAIN_REPLY_GRACE_S)):
+        while any(s.inflight for s in daemon.sessions.values()):
+            await trio.sleep(DRAIN_REPLY_POLL_S)
+    if left_over:
+        log.warning(
+            "daemon.drain_timeout",
+            drain_timeout_s=timeout,
+            transfers_cancelled=len(left_over),
+            request_ids=left_over[:16],
+        )
+    notifier.status(f"stopping: {len(left_over)} transfer(s) cancelled" if left_over else "stopping: drained")
+    log.info("daemon.stopping", transfers_active=len(left_over))
+
+
+def _tell_fd_limit(sock: socket.socket) -> None:
+    """A connection shed at the fd limit: tell the client why (best effort, never blocks)."""
+    err = LimitExceeded("kvd is at its file-descriptor limit; try again later")
+    sock.send(encode(m.Error(code=err.code, message=err.message)), socket.MSG_DONTWAIT)
+
+
+def _raise_fd_limit(config: Config) -> None:
+    """Raise the soft RLIMIT_NOFILE toward the hard limit so the configured limits fit."""
+    lim = config.limits
+    need = lim.max_sessions + lim.max_pending_connections + lim.max_pending_peers + 2 * lim.operator_reserve
+    need += FD_HEADROOM
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < need:
+        target = need if hard == resource.RLIM_INFINITY else min(need, hard)
+        if target > soft:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+    if soft != resource.RLIM_INFINITY and soft < need:
+        log.warning(
+            "daemon.fd_limit_low",
+            nofile=soft,
+            needed=need,
+            reason="the [limits] need more descriptors than RLIMIT_NOFILE allows; raise LimitNOFILE",
+        )
+
+
+#: Descriptors besides connections: pools, NIXL/UCX, peers, logs, the spare of the accept loop.
+FD_HEADROOM = 256
+
+
 async def serve(
     config: Config,
     *,
@@ -60,15 +182,18 @@ async def serve(
     from kvd.transfer.engine import Engine
 
     env = os.environ if env is None else env
-    check_limits(config.limits)
+    check_config(config)
+    # What the configuration alone decides fails now, before any memory is allocated.
+    _check_peer_secret(config)
+    _raise_fd_limit(config)
     notifier = Notifier(env)
-    notifier.status("starting: creating pools")
-    pools = await trio.to_thread.run_sync(partial(create_pools, config.pools, env))
-    metrics = Metrics()
-    daemon = Daemon(config, pools, AccessPolicy.from_config(config.access), metrics)
-    listener = None
+    listener = await _open_socket(config)
+    pools: dict[str, Pool] = {}
     try:
-        listener = await open_unix_listener(config.socket_path, config.socket_mode)
+        notifier.status("starting: creating pools")
+        pools = await trio.to_thread.run_sync(partial(create_pools, config.pools, env))
+        metrics = Metrics()
+        daemon = Daemon(config, pools, AccessPolicy.from_config(config.access), metrics)
         async with trio.open_nursery() as root:
             if handle_signals:
                 root.start_soon(_watch_signals, daemon)
@@ -81,13 +206,18 @@ async def serve(
             daemon.update_pool_metrics()  # the gauges start at the pools' real size
             if config.metrics_port:
                 root.start_soon(_sample_gauges, daemon)
-            accept_scope = trio.CancelScope()
-
-            async def accept_loop() -> None:
-                with accept_scope:
-                    await trio.serve_listeners(partial(handle_connection, daemon), [listener.listener])
-
-            root.start_soon(accept_loop)
+            # Sessions run in the root nursery, not under the accept loop: a drain keeps serving
+            # them (executors wait for their transfers) while no new work is taken.
+            root.start_soon(
+                partial(
+                    accept_loop,
+                    listener.listener,
+                    partial(handle_connection, daemon),
+                    root,
+                    what="executor",
+                    on_overflow=_tell_fd_limit,
+                )
+            )
             pool_kinds = {name: p.kind for name, p in pools.items()}
             log.info(
                 "daemon.ready",
@@ -102,16 +232,11 @@ async def serve(
 
             await daemon.stop_requested.wait()
             notifier.stopping()
-            notifier.status("draining")
-            accept_scope.cancel()  # no new sessions
-            with trio.move_on_after(config.drain_timeout_s):
-                await engine.drained()
-            log.info("daemon.stopping", transfers_active=engine.active_count())
+            await _drain(daemon, engine, notifier)
             root.cancel_scope.cancel()
     finally:
         with trio.CancelScope(shield=True):
-            if listener is not None:
-                await listener.aclose()
+            await listener.aclose()
             for pool in pools.values():
                 pool.close()
             log.info("daemon.stopped")

@@ -93,6 +93,12 @@ class LimitExceeded(KvdError):
     code = "limit_exceeded"
 
 
+class ReplyTooLarge(LimitExceeded):
+    """The reply to this request would not fit in one frame; page it (``offset``/``limit``)."""
+
+    code = "reply_too_large"
+
+
 class Draining(KvdError):
     """The daemon is shutting down and takes no new work."""
 

@@ -9,9 +9,19 @@ inside ``Expect``/``Publish`` and is the planner's input (``kvd.regroup.plan.KVL
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import msgspec
 
 from protocol.errors import BadRequest
+from protocol.limits import (
+    MAX_HEAD_DIM,
+    MAX_KV_HEADS,
+    MAX_LAYERS,
+    MAX_NUM_BLOCKS,
+    MAX_TOKENS_PER_BLOCK,
+    MAX_WORLD_SIZE,
+)
 
 #: Bytes per element of the dtypes kvd knows, keyed by torch dtype name.
 DTYPE_SIZES: dict[str, int] = {
@@ -32,19 +42,37 @@ TRTLLM_AXIS_ORDER: tuple[str, ...] = ("block", "layer", "kv", "head", "token", "
 VLLM_AXIS_ORDER: tuple[str, ...] = ("layer", "kv", "block", "head", "token", "dim")
 
 
+#: Upper bound of each geometry field (:mod:`protocol.limits`); the lower bound is 1.
+_FIELD_MAX: dict[str, int] = {
+    "num_layers": MAX_LAYERS,
+    "num_kv_heads": MAX_KV_HEADS,
+    "head_dim": MAX_HEAD_DIM,
+    "tokens_per_block": MAX_TOKENS_PER_BLOCK,
+    "tp_size": MAX_WORLD_SIZE,
+    "pp_size": MAX_WORLD_SIZE,
+}
+
+
 class KVLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """Model geometry + parallel layout + pool axis order of one side of a transfer."""
+    """Model geometry + parallel layout + pool axis order of one side of a transfer.
+
+    Every field is bounded (:mod:`protocol.limits`): a layout that decodes describes at most
+    ``MAX_WORLD_SIZE`` ranks of at most ``MAX_NUM_BLOCKS`` blocks, so nothing sized from a
+    valid layout can be absurd; what a pool really holds is checked by the daemon.
+    """
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
     tokens_per_block: int
-    dtype: str
+    dtype: Annotated[str, msgspec.Meta(max_length=32)]
     tp_size: int = 1
     pp_size: int = 1
     attention_dp: bool = False
-    layer_split: tuple[int, ...] | None = None
-    axis_order: tuple[str, ...] = TRTLLM_AXIS_ORDER
+    layer_split: Annotated[tuple[int, ...], msgspec.Meta(max_length=MAX_WORLD_SIZE)] | None = None
+    axis_order: Annotated[
+        tuple[Annotated[str, msgspec.Meta(max_length=16)], ...], msgspec.Meta(max_length=len(TRTLLM_AXIS_ORDER))
+    ] = TRTLLM_AXIS_ORDER
     num_blocks: int = 0
 
     def __post_init__(self) -> None:
@@ -53,12 +81,19 @@ class KVLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # -- validation ------------------------------------------------------------------------
     def validate(self) -> None:
         """Raise :class:`BadRequest` naming the first invalid field."""
-        for name in ("num_layers", "num_kv_heads", "head_dim", "tokens_per_block", "tp_size", "pp_size"):
+        for name, most in _FIELD_MAX.items():
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise BadRequest(f"KVLayout.{name} must be a positive integer, got {value!r}")
-        if self.num_blocks < 0:
-            raise BadRequest(f"KVLayout.num_blocks must be >= 0, got {self.num_blocks}")
+            if value > most:
+                raise BadRequest(f"KVLayout.{name}={value} exceeds the protocol limit of {most}")
+        if self.tp_size * self.pp_size > MAX_WORLD_SIZE:
+            raise BadRequest(
+                f"KVLayout: tp_size*pp_size={self.tp_size * self.pp_size} ranks exceed the protocol "
+                f"limit of {MAX_WORLD_SIZE}"
+            )
+        if not 0 <= self.num_blocks <= MAX_NUM_BLOCKS:
+            raise BadRequest(f"KVLayout.num_blocks must be in [0, {MAX_NUM_BLOCKS}], got {self.num_blocks}")
         if self.dtype not in DTYPE_SIZES:
             raise BadRequest(f"KVLayout.dtype {self.dtype!r} is not one of {sorted(DTYPE_SIZES)}")
         if sorted(self.axis_order) != sorted(AXES) or len(self.axis_order) != len(AXES):

@@ -6,6 +6,12 @@ carries the id of the request it answers. Requests and replies are separate unio
 decoder each (see :mod:`protocol.codec`). Rules for evolving the protocol: new fields get
 defaults; a field's type never changes; new messages get new tags; ``PROTOCOL_VERSION`` is
 bumped only for incompatible changes.
+
+Every request field is bounded (:mod:`protocol.limits`): strings by length, lists by count,
+floats finite and in range; the request decoder refuses anything outside with a
+:class:`~protocol.errors.ProtocolError`. Replies are written by the daemon and bounded by
+it (``List*`` requests page with ``offset``/``limit``; a reply that still does not fit a
+frame fails that request with ``reply_too_large``).
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from __future__ import annotations
 import msgspec
 
 from protocol.layout import KVLayout
+from protocol.limits import BlockIds, Count, DeadlineS, Name, OptionalRanks, RequestId, TimeoutS
 
 PROTOCOL_VERSION = 1
 
@@ -64,15 +71,28 @@ class TransferInfo(msgspec.Struct, frozen=True, kw_only=True):
     request_id: str
     role: str  # "ctx" (sender) | "gen" (receiver)
     peer: str
-    state: str  # "waiting" | "running" | "done" | "failed"
+    state: str  # "waiting", "running" or a finer stage ("offered", "streaming", ...); "done" | "failed" at the end
     bytes_total: int = 0
     bytes_done: int = 0
     chunks_total: int = 0
     chunks_done: int = 0
     path: str = ""
     started_s: float = 0.0
-    duration_s: float = 0.0
+    duration_s: float = 0.0  # in progress: since registration; finished: the Completion's duration_s
     error: str = ""
+
+
+class PeerInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """One peer daemon: a live link, or a configured peer not connected (yet)."""
+
+    node: str
+    state: str  # "up" (authenticated link) | "connecting" (configured, no link: retrying)
+    direction: str  # "outgoing" (in this daemon's [[peers]]) | "incoming" (the peer connected to us)
+    remote: str = ""  # host:port
+    last_heard_s: float = -1.0  # seconds since the last frame (heartbeat or any message); -1 = never
+    transfers_active: int = 0  # transfers with this peer not finished yet
+    mapped: bool = False  # the peer's pools are mapped here (same node: path "mapped")
+    error: str = ""  # why the last connection attempt failed
 
 
 class DaemonStats(msgspec.Struct, frozen=True, kw_only=True):
@@ -103,70 +123,71 @@ class Hello(Message, frozen=True, tag="hello"):
     """First message of every connection."""
 
     version: int
-    client: str = ""
+    client: Name = ""
     pid: int = 0
 
 
 class AttachPool(Message, frozen=True, tag="attach_pool"):
     """Ask for a pool's memory handle; host/posix_fd pools answer with fds (SCM_RIGHTS)."""
 
-    pool: str
+    pool: Name
 
 
 class Alloc(Message, frozen=True, tag="alloc"):
     """Lease ``count`` blocks of ``pool`` to this session (all or nothing)."""
 
-    pool: str
+    pool: Name
     count: int
 
 
 class Free(Message, frozen=True, tag="free"):
     """Return leased blocks (all or nothing: one bad id frees none)."""
 
-    pool: str
-    block_ids: list[int]
+    pool: Name
+    block_ids: BlockIds
 
 
 class Expect(Message, frozen=True, tag="expect"):
     """gen side: rank ``rank`` of ``layout`` will receive ``request_id`` into ``block_ids``."""
 
-    request_id: str
-    pool: str
+    request_id: RequestId
+    pool: Name
     layout: KVLayout
     rank: int
-    block_ids: list[int]
-    ranks: list[int] | None = None  # participating ranks; None = every rank of the layout
-    deadline_s: float | None = None
+    block_ids: BlockIds
+    ranks: OptionalRanks = None  # participating ranks; None = every rank of the layout
+    deadline_s: DeadlineS | None = None
     # the ctx daemon's node: once every gen rank registered, the destination goes to it
     # unasked, so the ctx side's publish moves bytes without a round trip ("" = wait for an offer)
-    peer: str = ""
+    peer: Name = ""
 
 
 class Publish(Message, frozen=True, tag="publish"):
     """ctx side: rank ``rank`` has written ``request_id`` into ``block_ids``; send it to ``peer``."""
 
-    request_id: str
-    pool: str
+    request_id: RequestId
+    pool: Name
     layout: KVLayout
     rank: int
-    block_ids: list[int]
-    peer: str
-    ranks: list[int] | None = None
-    deadline_s: float | None = None
+    block_ids: BlockIds
+    peer: Name
+    ranks: OptionalRanks = None
+    deadline_s: DeadlineS | None = None
 
 
 class Wait(Message, frozen=True, tag="wait"):
     """Block until ``request_id`` completes (or fails); answered by ``Completion``."""
 
-    request_id: str
-    timeout_s: float | None = None
+    request_id: RequestId
+    timeout_s: TimeoutS | None = None
 
 
 class Cancel(Message, frozen=True, tag="cancel"):
     """Cancel a registered request/transfer by id (only the session that registered it may,
-    unless ``force``: an operator, root or the daemon's uid, cancelling someone else's)."""
+    unless ``force``: an operator — root, the daemon's uid, ``[access] operator_gids`` — cancelling
+    someone else's)."""
 
-    request_id: str
+    request_id: RequestId
     force: bool = False
 
 
@@ -183,11 +204,22 @@ class ListPools(Message, frozen=True, tag="pools"):
 
 
 class ListSessions(Message, frozen=True, tag="sessions"):
-    pass
+    """List sessions ``offset`` .. ``offset + limit`` (``limit`` 0 = as many as fit a frame)."""
+
+    offset: Count = 0
+    limit: Count = 0
 
 
 class ListTransfers(Message, frozen=True, tag="transfers"):
-    pass
+    """Transfers in progress, then recently finished ones with their outcome (newest last),
+    ``offset`` .. ``offset + limit`` of them (``limit`` 0 = as many as fit a frame)."""
+
+    offset: Count = 0
+    limit: Count = 0
+
+
+class ListPeers(Message, frozen=True, tag="peers"):
+    """Peer daemons: live links and configured peers not connected."""
 
 
 class Drain(Message, frozen=True, tag="drain"):
@@ -212,6 +244,7 @@ Request = (
     | ListPools
     | ListSessions
     | ListTransfers
+    | ListPeers
     | Drain
     | GetConfig
 )
@@ -282,11 +315,21 @@ class PoolsReply(Message, frozen=True, tag="pools_reply"):
 
 
 class SessionsReply(Message, frozen=True, tag="sessions_reply"):
+    """One page of sessions; ``total`` is how many there are (page on with ``offset``)."""
+
     sessions: list[SessionInfo]
+    total: int = 0
 
 
 class TransfersReply(Message, frozen=True, tag="transfers_reply"):
+    """One page of transfers; ``total`` is how many there are (page on with ``offset``)."""
+
     transfers: list[TransferInfo]
+    total: int = 0
+
+
+class PeersReply(Message, frozen=True, tag="peers_reply"):
+    peers: list[PeerInfo]
 
 
 class ConfigReply(Message, frozen=True, tag="config_reply"):
@@ -316,6 +359,7 @@ Reply = (
     | PoolsReply
     | SessionsReply
     | TransfersReply
+    | PeersReply
     | ConfigReply
     | Ok
     | Error

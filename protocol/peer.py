@@ -19,6 +19,10 @@ never crosses the wire; see :mod:`kvd.peer.auth` for the MACs)::
 Either side answers a failure with ``PeerError(code, message)`` (codes of
 :mod:`protocol.errors`) and closes.
 
+Every field is bounded (:mod:`protocol.limits`): names, free text, nonces, the lists of a
+welcome; :func:`decode_peer` refuses anything else — deeply nested input included — with a
+:class:`~protocol.errors.ProtocolError`, whether or not the peer has authenticated yet.
+
 Extending the union: transfer-control messages are Structs tagged on ``type`` (subclass
 :class:`PeerMessage`, or any Struct base with ``tag_field="type"``) registered once at import
 time with :func:`register_peer_messages`; the decoder is rebuilt then. Rules as for the
@@ -28,13 +32,14 @@ new tags, :data:`PEER_PROTOCOL_VERSION` is bumped only for incompatible changes.
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Annotated, Any, Union
 
 import msgspec
 
-from protocol.errors import KvdError, ProtocolError
+from protocol.codec import decode_guarded
 from protocol.framing import DEFAULT_MAX_FRAME_SIZE, frame
 from protocol.layout import KVLayout
+from protocol.limits import MAX_POOLS, MAX_REGIONS, MAX_SLOTS, ByteCount, Count, Name, Text
 
 __all__ = [
     "MAX_NONCE_BYTES",
@@ -64,6 +69,11 @@ PEER_PROTOCOL_VERSION = 1
 #: Nonce sizes accepted in the handshake (32 random bytes are sent).
 MIN_NONCE_BYTES = 16
 MAX_NONCE_BYTES = 64
+#: Longest MAC accepted (HMAC-SHA256 sends 32 bytes).
+MAX_MAC_BYTES = 64
+Nonce = Annotated[bytes, msgspec.Meta(max_length=MAX_NONCE_BYTES)]
+Mac = Annotated[bytes, msgspec.Meta(max_length=MAX_MAC_BYTES)]
+Device = Annotated[int, msgspec.Meta(ge=-1, lt=1 << 16)]
 #: Frame limit before the peer has authenticated: an unauthenticated peer cannot make us buffer more.
 PRE_AUTH_MAX_FRAME_SIZE = 64 * 1024
 
@@ -83,26 +93,26 @@ class RegionDesc(msgspec.Struct, frozen=True, kw_only=True):
     The region is ``slots`` slots of ``slot_bytes`` each (0 = not slotted).
     """
 
-    name: str = ""
-    addr: int
-    nbytes: int
-    device: int = -1  # -1 = host memory (DRAM), else CUDA ordinal (VRAM)
-    slot_bytes: int = 0
-    slots: int = 0
+    name: Name = ""
+    addr: ByteCount
+    nbytes: ByteCount
+    device: Device = -1  # -1 = host memory (DRAM), else CUDA ordinal (VRAM)
+    slot_bytes: ByteCount = 0
+    slots: Annotated[int, msgspec.Meta(ge=0, le=MAX_SLOTS)] = 0
 
 
 class PoolDesc(msgspec.Struct, frozen=True, kw_only=True):
     """A KV pool of the peer: where its blocks are, for direct (no-bounce) writes."""
 
-    name: str
-    addr: int
-    nbytes: int
-    device: int = -1
-    kind: str = ""  # "fabric" | "device" | "posix_fd" | "host"
-    block_bytes: int = 0
-    num_blocks: int = 0
+    name: Name
+    addr: ByteCount
+    nbytes: ByteCount
+    device: Device = -1
+    kind: Name = ""  # "fabric" | "device" | "posix_fd" | "host"
+    block_bytes: ByteCount = 0
+    num_blocks: Count = 0
     layout: KVLayout | None = None
-    rank: int = 0
+    rank: Count = 0
 
 
 # --- handshake ---------------------------------------------------------------------------
@@ -112,60 +122,60 @@ class PeerHello(PeerMessage, frozen=True, tag="peer_hello"):
     """First message of the connecting daemon."""
 
     version: int
-    node: str
-    nonce: bytes
+    node: Name
+    nonce: Nonce
 
 
 class PeerChallenge(PeerMessage, frozen=True, tag="peer_challenge"):
     """The listening daemon's answer: its own nonce and its proof of the secret."""
 
     version: int
-    node: str
-    nonce: bytes
-    mac: bytes
+    node: Name
+    nonce: Nonce
+    mac: Mac
 
 
 class PeerAuth(PeerMessage, frozen=True, tag="peer_auth"):
     """The connecting daemon's proof of the secret."""
 
-    mac: bytes
+    mac: Mac
 
 
 class PeerWelcome(PeerMessage, frozen=True, tag="peer_welcome"):
     """What a daemon offers its peer once both are authenticated (sent by both sides)."""
 
-    node: str
-    software: str = ""  # kvd version string, informational
-    nixl_agent: str = ""  # NIXL agent name (the key of its notifications)
-    nixl_metadata: bytes = b""
-    bounce: list[RegionDesc] = []
-    pools: list[PoolDesc] = []
-    host_id: str = ""  # boot id + hostname: equal on both sides = same node (pools mappable)
-    socket_path: str = ""  # the daemon's executor socket, to attach its pools on the same node
+    node: Name
+    software: Text = ""  # kvd version string, informational
+    nixl_agent: Name = ""  # NIXL agent name (the key of its notifications)
+    nixl_metadata: bytes = b""  # bounded by the frame size
+    bounce: Annotated[list[RegionDesc], msgspec.Meta(max_length=MAX_REGIONS)] = []
+    pools: Annotated[list[PoolDesc], msgspec.Meta(max_length=MAX_POOLS)] = []
+    host_id: Text = ""  # boot id + hostname: equal on both sides = same node (pools mappable)
+    socket_path: Text = ""  # the daemon's executor socket, to attach its pools on the same node
 
 
 # --- link life ---------------------------------------------------------------------------
 
 
 class Heartbeat(PeerMessage, frozen=True, tag="heartbeat"):
-    seq: int
+    seq: Count
 
 
 class HeartbeatAck(PeerMessage, frozen=True, tag="heartbeat_ack"):
-    seq: int
+    seq: Count
 
 
 class PeerError(PeerMessage, frozen=True, tag="peer_error"):
     """A failure; ``code`` is a :mod:`protocol.errors` code. ``id`` names the failed request."""
 
-    code: str
-    message: str = ""
+    code: Name
+    message: Text = ""
 
 
 class PeerBye(PeerMessage, frozen=True, tag="peer_bye"):
     """Orderly close ("closed by us" on the sender's side, not a failure)."""
 
-    reason: str = ""
+    reason: Text = ""
 
 
 #: Every message type the peer decoder accepts. Extend with :func:`register_peer_messages`.
@@ -235,16 +245,11 @@ def encode_peer(msg: msgspec.Struct, max_frame_size: int = DEFAULT_MAX_FRAME_SIZ
 
 
 def decode_peer(payload: bytes) -> msgspec.Struct:
-    """Decode one frame payload into a peer message; raises :class:`ProtocolError`."""
-    try:
-        msg = _decoder.decode(payload)
-    except msgspec.ValidationError as exc:
-        raise ProtocolError(f"invalid peer message: {exc}") from None
-    except msgspec.DecodeError as exc:
-        raise ProtocolError(f"undecodable peer frame: {exc}") from None
-    except KvdError:
-        raise
-    except (ValueError, TypeError) as exc:  # e.g. from a Struct's __post_init__
-        raise ProtocolError(f"invalid peer message: {exc}") from None
+    """Decode one frame payload into a peer message.
+
+    Raises :class:`~protocol.errors.ProtocolError` (or a layout's ``BadRequest``), never
+    anything else, whatever the payload (see :func:`protocol.codec.decode_guarded`).
+    """
+    msg = decode_guarded(_decoder, payload, "peer message")
     assert isinstance(msg, msgspec.Struct)
     return msg

@@ -33,80 +33,102 @@ per-request rules live in :mod:`protocol.transfer_fsm`.
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import msgspec
 
 from protocol.layout import KVLayout
+from protocol.limits import (
+    MAX_SLOTS,
+    MAX_WORLD_SIZE,
+    BlockIds,
+    ByteCount,
+    Count,
+    Name,
+    Rank,
+    RequestId,
+    Text,
+    TimeoutS,
+)
+
+#: Rank -> that rank's block ids (at most MAX_WORLD_SIZE ranks).
+RankBlocks = Annotated[dict[Rank, BlockIds], msgspec.Meta(max_length=MAX_WORLD_SIZE)]
+Slot = Annotated[int, msgspec.Meta(ge=0, lt=MAX_SLOTS)]
+#: Receive slots granted with a destination (a few).
+Slots = Annotated[list[Slot], msgspec.Meta(max_length=64)]
 
 
 class RemoteRegion(msgspec.Struct, frozen=True, kw_only=True):
     """A NIXL-registered memory region of the peer daemon."""
 
-    addr: int
-    nbytes: int
-    device: int  # -1 = host memory (DRAM), else CUDA ordinal (VRAM)
+    addr: ByteCount
+    nbytes: ByteCount
+    device: Annotated[int, msgspec.Meta(ge=-1, lt=1 << 16)]  # -1 = host memory (DRAM), else CUDA ordinal (VRAM)
 
 
 class XferMessage(msgspec.Struct, frozen=True, tag_field="type", kw_only=True):
     """Base of the transfer-control messages; ``request_id`` names the request."""
 
-    request_id: str
+    request_id: RequestId
 
 
 class XferOffer(XferMessage, frozen=True, tag="xfer_offer"):
     layout: KVLayout
-    blocks: dict[int, list[int]]
-    deadline_s: float  # seconds left on the ctx side when sent
+    blocks: RankBlocks
+    deadline_s: TimeoutS  # seconds left on the ctx side when sent (finite, >= 0)
 
 
 class XferAccept(XferMessage, frozen=True, tag="xfer_accept"):
     layout: KVLayout
-    blocks: dict[int, list[int]]
-    pools: dict[int, RemoteRegion]  # gen rank -> its pool region (for direct/fallback writes)
-    pool_names: dict[int, str] = {}  # gen rank -> pool name (for the same-node mapped path)
-    slots: list[int] = []  # receive slots granted up front (bounce path)
+    blocks: RankBlocks
+    # gen rank -> its pool region (for direct/fallback writes)
+    pools: Annotated[dict[Rank, RemoteRegion], msgspec.Meta(max_length=MAX_WORLD_SIZE)]
+    # gen rank -> pool name (for the same-node mapped path)
+    pool_names: Annotated[dict[Rank, Name], msgspec.Meta(max_length=MAX_WORLD_SIZE)] = {}
+    slots: Slots = []  # receive slots granted up front (bounce path)
 
 
 class XferAnnounce(XferMessage, frozen=True, tag="xfer_announce"):
     """gen's destination, sent unasked once every gen rank registered with ``peer=``."""
 
     layout: KVLayout
-    blocks: dict[int, list[int]]
-    pools: dict[int, RemoteRegion]
-    pool_names: dict[int, str] = {}
-    slots: list[int] = []  # receive slots granted up front (bounce path)
-    deadline_s: float = 0.0  # seconds left on the gen side when sent (0 = ctx's own deadline)
+    blocks: RankBlocks
+    pools: Annotated[dict[Rank, RemoteRegion], msgspec.Meta(max_length=MAX_WORLD_SIZE)]
+    pool_names: Annotated[dict[Rank, Name], msgspec.Meta(max_length=MAX_WORLD_SIZE)] = {}
+    slots: Slots = []  # receive slots granted up front (bounce path)
+    deadline_s: TimeoutS = 0.0  # seconds left on the gen side when sent (0 = ctx's own deadline)
 
 
 class XferGrant(XferMessage, frozen=True, tag="xfer_grant"):
-    slot: int
+    slot: Slot
 
 
 class XferPath(XferMessage, frozen=True, tag="xfer_path"):
     """The sender takes a path without receive slots: "mapped" (it copies straight into the
     receiver's pools, mapped on the same node) or "fragment-fallback" (no credit in time)."""
 
-    path: str
-    reason: str = ""
+    path: Name
+    reason: Text = ""
     # the ctx side's layout and blocks, when gen announced its destination and got no offer
     layout: KVLayout | None = None
-    blocks: dict[int, list[int]] = {}
+    blocks: RankBlocks = {}
 
 
 class XferDone(XferMessage, frozen=True, tag="xfer_done"):
-    writes: int  # NIXL writes (notifications) the receiver must have seen
-    bytes: int
-    chunks: int
+    writes: Count  # NIXL writes (notifications) the receiver must have seen
+    bytes: ByteCount
+    chunks: Count
 
 
 class XferComplete(XferMessage, frozen=True, tag="xfer_complete"):
-    bytes: int
+    bytes: ByteCount
 
 
 class XferFail(XferMessage, frozen=True, tag="xfer_fail"):
-    code: str
-    message: str
+    code: Name
+    message: Text
     writes_stopped: bool = True  # none of the sender's writes into the receiver can land any more
-    sender: str = ""  # "ctx" | "gen": the side that failed ("" from older daemons)
+    sender: Name = ""  # "ctx" | "gen": the side that failed ("" from older daemons)
 
 
 XFER_MESSAGES = (XferOffer, XferAccept, XferAnnounce, XferGrant, XferPath, XferDone, XferComplete, XferFail)
@@ -115,9 +137,9 @@ XFER_MESSAGES = (XferOffer, XferAccept, XferAnnounce, XferGrant, XferPath, XferD
 class Notif(msgspec.Struct, frozen=True, array_like=True):
     """NIXL notification payload of one write: which request, which write, which slot."""
 
-    request_id: str
-    seq: int
-    slot: int  # receive slot for bounce writes, -1 for writes straight into the blocks
+    request_id: RequestId
+    seq: Count
+    slot: Annotated[int, msgspec.Meta(ge=-1, lt=MAX_SLOTS)]  # receive slot for bounce writes, -1 straight into the blocks
 
 
 _notif_encoder = msgspec.msgpack.Encoder()
@@ -132,5 +154,5 @@ def decode_notif(data: bytes) -> Notif | None:
     """Decode a notification; ``None`` when it is not one of ours."""
     try:
         return _notif_decoder.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError):
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
         return None

@@ -1,4 +1,4 @@
-"""Integration tests of the executor IPC (issue 2): a real kvd subprocess, real Unix sockets.
+"""Integration tests of the executor IPC: a real kvd subprocess, real Unix sockets.
 
 Every test talks to a daemon started with ``python -m kvd serve`` (readiness observed on a
 NOTIFY_SOCKET, never a sleep) through its socket: the async client, the blocking client, or a
@@ -399,7 +399,7 @@ async def test_blocking_and_async_clients_raise_the_same_errors(shared_daemon: D
 
 
 async def test_session_limit_same_error_in_both_clients(daemon_factory: Callable[..., DaemonProcess]) -> None:
-    d = daemon_factory(_config(limits={"max_sessions": 1}), name="one")
+    d = daemon_factory(_config(limits={"max_sessions": 1, "operator_reserve": 0}), name="one")  # root: no reserve
     with Client(d.socket_path, timeout=IO_TIMEOUT) as first:
         with pytest.raises(LimitExceeded, match="max_sessions=1 reached") as blocking_err:
             Client(d.socket_path, timeout=IO_TIMEOUT)

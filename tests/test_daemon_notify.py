@@ -59,7 +59,7 @@ def test_ready_watchdog_stopping(daemon_factory: Callable[..., DaemonProcess]) -
     assert len(stopping) == 1
     # after STOPPING=1 the status says so and no keep-alive claims the daemon is healthy
     i = after.index(stopping[0])
-    assert any(f.get("STATUS") == "draining" for f in after[i:])
+    assert any(f.get("STATUS", "").startswith("draining: 0 transfer(s) in flight") for f in after[i:])
     assert not os.path.exists(d.socket_path)
 
 

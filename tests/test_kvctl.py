@@ -1,4 +1,4 @@
-"""Issue 7, kvctl: every subcommand run as a subprocess against a real daemon, for people
+"""kvctl: every subcommand run as a subprocess against a real daemon, for people
 (tables) and for scripts (``--json``), with the exit codes scripts rely on: 0 ok, 1 the
 daemon answered with an error, 2 usage error, 3 the daemon cannot be reached."""
 
@@ -11,9 +11,12 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
 from clients import Client
@@ -33,7 +36,7 @@ def kvctl(*args: str, socket: str | None = None, env: dict[str, str] | None = No
     if socket is not None:
         cmd += ["--socket", socket]
     full_env = {k: v for k, v in os.environ.items() if k != "KVD_SOCKET"}
-    full_env.update({"COLUMNS": "200", **(env or {})})  # wide enough that rich does not wrap the tables
+    full_env.update(env or {})
     return subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=timeout, env=full_env)
 
 
@@ -51,7 +54,7 @@ def served() -> Iterator[tuple[DaemonProcess, Client, KVLayout]]:
     cfg = {
         "pools": [host_pool("host0"), host_pool("host1", num_blocks=16)],
         "transfer": {"bounce_size_mb": 16, "chunk_mb": 2},
-        "limits": {"max_sessions": MAX_SESSIONS},
+        "limits": {"max_sessions": MAX_SESSIONS, "operator_reserve": 0},  # root (tests) is an operator
     }
     d = start_daemon(cfg, workdir=workdir, name="ctl")
     holder = Client(d.socket_path, client="holder", timeout=10)
@@ -99,8 +102,7 @@ def test_ping_pools_sessions(served: Any) -> None:
     run = kvctl("pools", socket=d.socket_path)
     assert run.returncode == 0
     row = next(line for line in run.stdout.splitlines() if "host0" in line)
-    cells = [c.strip() for c in row.split("│")[1:-1]]
-    assert cells[:6] == ["host0", "host", "-1", "-", "3", "61"]
+    assert row.split()[:6] == ["host0", "host", "-1", "-", "3", "61"]  # plain columns: stdout is a pipe
 
     sessions = {s["client"]: s for s in ok_json("sessions", socket=d.socket_path)}
     assert sessions["holder"]["blocks_leased"] == 3 and sessions["holder"]["requests"] == 1
@@ -226,3 +228,235 @@ def test_drain(daemon_factory: Callable[..., DaemonProcess]) -> None:
     assert "drain requested by client" in d.log()
     run = kvctl("status", socket=d.socket_path)
     assert run.returncode == 3
+
+
+# --- output off a terminal, finished transfers, peers ------------------------------------------
+
+
+def test_tables_are_plain_and_whole_off_a_terminal(served: Any) -> None:
+    """A pipe gets plain columns at full width whatever COLUMNS says; a terminal gets rich tables."""
+    d, _holder, _layout = served
+    run = kvctl("pools", socket=d.socket_path, env={"COLUMNS": "20"})
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    assert lines[0] == "pools"
+    assert lines[1].split() == ["pool", "kind", "device", "fallback", "used", "free", "sessions", "size"]
+    assert lines[2].split() == ["host0", "host", "-1", "-", "3", "61", "1", "16.0", "MiB"]
+    assert lines[3].split() == ["host1", "host", "-1", "-", "0", "16", "0", "4.0", "MiB"]
+    assert "│" not in run.stdout and "…" not in run.stdout
+
+    import pty
+
+    leader, follower = pty.openpty()
+    try:
+        proc = subprocess.run([sys.executable, "-m", "clients.kvctl", "-s", d.socket_path, "pools"],
+                              stdout=follower, stderr=subprocess.PIPE, timeout=30,
+                              env={**os.environ, "COLUMNS": "120", "TERM": "dumb"})
+        os.close(follower)
+        follower = -1
+        out = b""
+        while True:
+            try:
+                data = os.read(leader, 65536)
+            except OSError:  # EIO: the terminal's other end is closed and drained
+                break
+            if not data:
+                break
+            out += data
+    finally:
+        os.close(leader)
+        if follower >= 0:
+            os.close(follower)
+    assert proc.returncode == 0, proc.stderr
+    text = out.decode()
+    assert "│" in text and "host0" in text  # rich's table on a terminal
+
+
+def test_plain_columns_never_cut() -> None:
+    from clients.kvctl import plain_columns
+
+    long_error = "[transfer_timeout] request 'r' (gen) missed its deadline after 60.00s " * 3
+    out = plain_columns(["request", "error"], [["r", long_error.strip()], ["a-much-longer-request-id", ""]])
+    lines = out.splitlines()
+    assert lines[0] == "request                   error"
+    assert lines[1] == "r                         " + long_error.strip()
+    assert lines[2] == "a-much-longer-request-id"
+
+
+def test_finished_transfers_stay_listed_with_their_outcome(daemon_factory: Callable[..., DaemonProcess]) -> None:
+    d = daemon_factory(name="hist")
+    ctx = Client(d.socket_path, client="ctx", timeout=10)
+    gen = Client(d.socket_path, client="gen", timeout=10)
+    try:
+        layout = ctx.pools()[0].layout
+        assert layout is not None
+        src, dst = ctx.alloc("host0", 2), gen.alloc("host0", 2)
+        gen.expect("ok-1", "host0", layout, 0, dst)
+        ctx.publish("ok-1", "host0", layout, 0, src, peer="hist")  # own node: a local transfer
+        done = [ctx.wait("ok-1", timeout_s=30), gen.wait("ok-1", timeout_s=30)]
+        assert all(c.ok and c.path == "local" for c in done)
+        gen.expect("cancelled-1", "host0", layout, 0, dst)
+        gen.cancel("cancelled-1")
+        # both executors collected "ok-1": the engine forgot it, the listing keeps it
+        listing = ok_json("transfers", socket=d.socket_path)
+        by_key = {(t["request_id"], t["role"]): t for t in listing}
+        assert set(by_key) == {("ok-1", "ctx"), ("ok-1", "gen"), ("cancelled-1", "gen")}
+        for role, c in zip(("ctx", "gen"), done, strict=True):
+            t = by_key[("ok-1", role)]
+            assert t["state"] == "done" and t["path"] == "local" and t["error"] == ""
+            assert t["bytes_done"] == c.bytes > 0 and t["duration_s"] == pytest.approx(c.duration_s)
+        failed = by_key[("cancelled-1", "gen")]
+        assert failed["state"] == "failed"
+        assert failed["error"] == "[transfer_cancelled] request 'cancelled-1' cancelled by client"
+        run = kvctl("transfers", socket=d.socket_path)
+        assert run.returncode == 0, run.stderr
+        rows = [line for line in run.stdout.splitlines() if line.startswith(("ok-1", "cancelled-1"))]
+        assert len(rows) == 3
+        assert rows[-1].split()[:4] == ["cancelled-1", "gen", "-", "failed"]  # no peer: it never matched
+        assert rows[-1].endswith("[transfer_cancelled] request 'cancelled-1' cancelled by client")
+    finally:
+        ctx.close()
+        gen.close()
+
+
+def test_history_is_a_bounded_ring() -> None:
+    from kvd.ops.history import HISTORY_SIZE, TransferHistory
+
+    ring = TransferHistory()
+    for i in range(HISTORY_SIZE + 44):
+        info = m.TransferInfo(request_id=f"r{i}", role="gen", peer="p", state="receiving", started_s=float(i))
+        ring.record(info, m.Completion(request_id=f"r{i}", ok=i % 2 == 0, bytes=i, duration_s=0.5, path="bounce",
+                                       error_code="" if i % 2 == 0 else "peer_unavailable",
+                                       error_message="" if i % 2 == 0 else "link lost"))
+    assert len(ring) == HISTORY_SIZE == 256
+    live = [m.TransferInfo(request_id="running", role="ctx", peer="p", state="streaming", started_s=1e6)]
+    merged = ring.merged(live)
+    assert merged[0].request_id == "running"
+    assert [t.request_id for t in merged[1:]] == [f"r{i}" for i in range(44, HISTORY_SIZE + 44)]
+    assert merged[-1].state == "failed" and merged[-1].error == "[peer_unavailable] link lost"
+    assert merged[-2].state == "done" and merged[-2].bytes_done == HISTORY_SIZE + 42
+    # a finished side the engine still holds is listed once, as recorded (whatever its live
+    # started_s or duration say); one still running with a recorded id is listed as well
+    still_held = msgspec.structs.replace(merged[-1], state="failed", duration_s=99.0, started_s=5.0)
+    assert ring.merged([still_held]) == merged[1:]
+    rerun = msgspec.structs.replace(merged[-1], state="streaming")
+    assert ring.merged([rerun]) == [rerun, *merged[1:]]
+
+
+@pytest.fixture(scope="module")
+def pair() -> Iterator[tuple[DaemonProcess, DaemonProcess]]:
+    """ctx and gen daemons linked over loopback (ctx lists gen in [[peers]])."""
+    from kvd.demo.pair import start_pair
+
+    workdir = Path(tempfile.mkdtemp(prefix="kvdp-", dir="/tmp"))
+    ctx_d, gen_d = start_pair(workdir, gen_tp=1, blocks=4, bounce_mb=8, chunk_mb=2,
+                              extra_transfer={"mapped": False})
+    try:
+        yield ctx_d, gen_d
+    finally:
+        ctx_d.stop()
+        gen_d.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _until(predicate: Callable[[], Any], what: str, timeout: float = 30.0) -> Any:
+    """Poll a daemon-side condition (each probe is a round trip to the daemon)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def test_peers_and_ctx_duration_from_the_match(pair: tuple[DaemonProcess, DaemonProcess]) -> None:
+    ctx_d, gen_d = pair
+    ctx = Client(ctx_d.socket_path, client="ctx", timeout=10)
+    gen = Client(gen_d.socket_path, client="gen", timeout=10)
+    try:
+        peers = _until(lambda: [p for p in ctx.peers() if p.state == "up"], "the link ctx -> gen")
+        assert [(p.node, p.direction, p.remote) for p in peers] == [("gen", "outgoing", f"127.0.0.1:{gen_d.peer_port}")]
+        back = _until(lambda: [p for p in gen.peers() if p.state == "up"], "the link on the gen side")
+        assert [(p.node, p.direction) for p in back] == [("ctx", "incoming")]
+
+        layout = ctx.pools()[0].layout
+        gen_layout = gen.pools()[0].layout
+        assert layout is not None and gen_layout is not None
+        src, dst = ctx.alloc("ctx0", 2), gen.alloc("gen0", 2)
+        ctx.publish("late-gen", "ctx0", layout, 0, src, peer="gen")
+        # the ctx side is registered and offered; gen has not expected yet
+        _until(lambda: [t for t in ctx.transfers() if t.request_id == "late-gen" and t.state == "offered"], "the offer")
+        (up,) = ctx.peers()
+        assert up.transfers_active == 1 and up.last_heard_s >= 0 and up.error == "" and not up.mapped
+        run = kvctl("peers", socket=ctx_d.socket_path)
+        assert run.returncode == 0, run.stderr
+        row = run.stdout.splitlines()[2].split()
+        assert row[:4] == ["gen", "up", "outgoing", f"127.0.0.1:{gen_d.peer_port}"] and row[-2:] == ["1", "no"]
+
+        t0 = time.monotonic()
+        gen.expect("late-gen", "gen0", gen_layout, 0, dst)
+        done = ctx.wait("late-gen", timeout_s=60)
+        elapsed = time.monotonic() - t0
+        assert done.ok and done.path == "direct"
+        # the ctx side waited for gen before t0; its duration counts from the match only
+        assert done.duration_s <= elapsed, (done.duration_s, elapsed)
+        assert gen.wait("late-gen", timeout_s=60).duration_s <= time.monotonic() - t0
+        line = next(json.loads(raw) for raw in ctx_d.log().splitlines()
+                    if '"transfer.done"' in raw and '"late-gen"' in raw)
+        assert line["duration_s"] == pytest.approx(done.duration_s, abs=1e-5)
+        assert line["stages"]["accepted"] > 0
+        assert [p.transfers_active for p in ctx.peers()] == [0]
+    finally:
+        ctx.close()
+        gen.close()
+
+
+def test_peer_not_connected_shows_why(daemon_factory: Callable[..., DaemonProcess], short_tmp: Path) -> None:
+    import socket as stdsocket
+
+    from kvd.demo.pair import write_secret
+
+    closed = stdsocket.socket()
+    closed.bind(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
+    closed.close()  # nobody listens there now
+    d = daemon_factory({"peer_secret_file": write_secret(short_tmp),
+                        "peers": [{"name": "ghost", "host": "127.0.0.1", "port": port}]}, name="lonely")
+    _until(lambda: ok_json("peers", socket=d.socket_path)[0]["error"], "a failed connection attempt")
+    (ghost,) = ok_json("peers", socket=d.socket_path)
+    assert ghost["node"] == "ghost" and ghost["state"] == "connecting" and ghost["direction"] == "outgoing"
+    assert ghost["remote"] == f"127.0.0.1:{port}" and ghost["last_heard_s"] == -1.0
+    assert "refused" in ghost["error"].lower(), ghost
+    run = kvctl("peers", socket=d.socket_path)
+    assert run.returncode == 0 and run.stdout.splitlines()[2].split()[:5] == [
+        "ghost", "connecting", "outgoing", f"127.0.0.1:{port}", "never"]
+
+
+def test_kvd_bench_help_exits_0() -> None:
+    run = subprocess.run([sys.executable, "-m", "kvd", "bench", "--help"], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith("usage: kvd bench {ipc,regroup,transfer}")
+    for name in ("ipc", "regroup", "transfer"):
+        assert f"\n  {name} " in run.stdout
+    run = subprocess.run([sys.executable, "-m", "kvd", "bench"], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and "which benchmark?" in run.stderr
+    run = subprocess.run([sys.executable, "-m", "kvd", "bench", "transfer", "--help"], capture_output=True,
+                         text=True, timeout=60)
+    assert run.returncode == 0 and "--blocks" in run.stdout  # the benchmark's own options
+
+
+def test_ping_wait_retries_until_the_daemon_is_up(daemon_factory: Callable[..., DaemonProcess],
+                                                   short_tmp: Path) -> None:
+    path = str(short_tmp / "later.sock")
+    waiter = subprocess.Popen([sys.executable, "-m", "clients.kvctl", "-s", path, "ping", "--wait", "120"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        daemon_factory({"socket_path": path}, name="later")  # kvctl is already retrying, or finds it up
+        out, err = waiter.communicate(timeout=120)
+    finally:
+        waiter.kill()
+    assert waiter.returncode == 0, err
+    assert out.startswith("pong from later in ")
+    run = kvctl("ping", "--wait", "0.3", socket=str(short_tmp / "never.sock"))
+    assert run.returncode == 3 and "cannot connect to kvd at" in run.stderr

@@ -12,6 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from structlog.testing import capture_logs
 
 from kvd.ops.metrics import CONTENT_TYPE_LATEST, Metrics, serve_metrics
+from kvd.startup import StartupError
 
 
 def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -213,6 +214,6 @@ async def test_bind_error_raises_before_started() -> None:
     m = Metrics(process_metrics=False)
     async with trio.open_nursery() as nursery:
         port = await nursery.start(serve_metrics, m, "127.0.0.1", 0)
-        with pytest.raises(OSError):
+        with pytest.raises(StartupError, match=rf"metrics_port: metrics port {port} on 127.0.0.1 is already in use"):
             await nursery.start(serve_metrics, m, "127.0.0.1", port)
         nursery.cancel_scope.cancel()

@@ -216,30 +216,48 @@ def test_region_validation() -> None:
 async def test_cancel_in_flight_write_releases_it(peer: PeerProcess) -> None:
     """Over UCX tcp the post returns PROC; cancelling the wait cancels the transfer.
 
-    The cancelled write's notification does not arrive (unless it was already finishing);
-    the next write works.
+    The target is paused (it does not progress its agent), so 64 MiB over tcp cannot finish:
+    the write is certainly in flight when the wait is cancelled, whatever the machine's load.
+    The cancelled write's notification does not arrive (unless it was already finishing when
+    the target resumed); the next write works.
     """
     w = Writer("test-writer-tcp", SRC_BYTES, env={"UCX_TLS": "tcp"})
     try:
         w.agent.add_remote(peer.metadata)
         await trio.to_thread.run_sync(peer.add_remote, w.agent.metadata())
         await trio.to_thread.run_sync(peer.notifications)
-        handle = w.agent.write([(w.addr, SRC_BYTES)], [(peer.addr, SRC_BYTES)], "test-target", b"cancelled")
-        assert handle.posted == "PROC"
-        # deadline already passed: the wait is cancelled at its first checkpoint, while the 64 MiB
-        # are still in flight (a 1 ms window was flaky on a loaded 2-core machine)
-        with trio.move_on_after(0) as scope:
-            await w.agent.wait(handle)
-        assert scope.cancelled_caught
-        assert handle.released and not handle.done
+        await trio.to_thread.run_sync(peer.pause)
+        try:
+            handle = w.agent.write([(w.addr, SRC_BYTES)], [(peer.addr, SRC_BYTES)], "test-target", b"cancelled")
+            assert handle.posted == "PROC"
+            waiting = trio.CancelScope()
+
+            async def wait_for_it() -> None:
+                with waiting:
+                    await w.agent.wait(handle)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(wait_for_it)
+                for _ in range(100):  # the wait task and these checks both drive UCX progress
+                    await trio.sleep(0)
+                    assert w.agent.state(handle) == "PROC"
+                waiting.cancel()
+            assert waiting.cancelled_caught
+            assert handle.released and not handle.done
+        finally:
+            await trio.to_thread.run_sync(peer.resume)
         with trio.fail_after(30):
             await w.agent.write_async([(w.addr, 4096)], [(peer.addr, 4096)], "test-target", b"after")
-        got = await trio.to_thread.run_sync(peer.wait_notifs, 1)
-        await trio.sleep(0.2)
-        got += await trio.to_thread.run_sync(peer.notifications)
-        # normally the cancelled write never notifies; if it was already finishing, it may
-        assert got[-1] == ("test-writer-tcp", b"after")
-        assert got[:-1] in ([], [("test-writer-tcp", b"cancelled")])
+        got: list[tuple[str, bytes]] = []
+        while ("test-writer-tcp", b"after") not in got:  # wait_notifs raises after 30 s
+            got += await trio.to_thread.run_sync(peer.wait_notifs, 1)
+        assert [n for n in got if n != ("test-writer-tcp", b"after")] in ([], [("test-writer-tcp", b"cancelled")])
+        # the target's buffer is usable again: a fresh write lands intact
+        await trio.to_thread.run_sync(peer.fill, 0)
+        with trio.fail_after(30):
+            await w.agent.write_async([(w.addr, 1 * MiB)], [(peer.addr, 1 * MiB)], "test-target", b"check")
+        assert await trio.to_thread.run_sync(peer.wait_notifs, 1) == [("test-writer-tcp", b"check")]
+        assert await trio.to_thread.run_sync(peer.digest, 0, 1 * MiB) == _sha(w.buf[: 1 * MiB])
     finally:
         w.agent.close()
 

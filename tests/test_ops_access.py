@@ -1,4 +1,4 @@
-"""Issue 7, access control: the Unix socket checks SO_PEERCRED against ``[access]``.
+"""Access control: the Unix socket checks SO_PEERCRED against ``[access]``.
 
 Real daemons (running as root here) and real clients running as another user: the client
 subprocess drops to uid/gid 65534 (``setpriv --reuid --regid --clear-groups``), so the

@@ -1,4 +1,4 @@
-"""Issue 7, limits: every ``[limits]`` value is enforced by a real daemon with a clear error,
+"""Limits: every ``[limits]`` value is enforced by a real daemon with a clear error,
 and hitting a limit in one session has no effect on the others.
 
 One daemon (a subprocess) with small limits serves the whole module; each test cleans up
@@ -44,6 +44,8 @@ def _config(**limits: Any) -> dict[str, Any]:
             "max_inflight_per_session": MAX_INFLIGHT,
             "max_blocks_per_session": MAX_BLOCKS,
             "max_frame_size": MAX_FRAME,
+            # the tests run as root, an operator: no reserve, so the limits apply to them too
+            "operator_reserve": 0,
             **limits,
         },
     }

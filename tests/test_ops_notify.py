@@ -1,4 +1,4 @@
-"""Issue 7, systemd integration at the daemon level: a real daemon and a real NOTIFY_SOCKET
+"""systemd integration at the daemon level: a real daemon and a real NOTIFY_SOCKET
 (the one ``kvd.demo.launch`` binds, as systemd would), with ``WATCHDOG_USEC`` set."""
 
 from __future__ import annotations

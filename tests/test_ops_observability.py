@@ -1,4 +1,4 @@
-"""Issue 7, observability: one canonical ``transfer.done`` line per transfer and side, the
+"""Observability: one canonical ``transfer.done`` line per transfer and side, the
 Prometheus endpoint moving with real traffic, and docs/events.md naming every event.
 
 Real daemons (subprocesses, JSON logs) and real transfers: a local regroup (ctx TP1 → gen

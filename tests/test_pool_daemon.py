@@ -1,4 +1,4 @@
-"""Pools at the daemon level (issue 3): executor processes attach to a real daemon's host pool.
+"""Pools at the daemon level: executor processes attach to a real daemon's host pool.
 
 Executors are real processes that map the pool with ``Client.attach()`` (memfd passed by
 SCM_RIGHTS) and are driven over stdin/stdout with one JSON command per line. Misuse (double

@@ -97,6 +97,7 @@ REQUESTS: list[m.Message] = [
     m.ListPools(id=11),
     m.ListSessions(id=12),
     m.ListTransfers(id=13),
+    m.ListPeers(id=16),
     m.Drain(id=14),
     m.GetConfig(id=15),
 ]
@@ -149,6 +150,15 @@ REPLIES: list[m.Message] = [
                 duration_s=2.0,
                 error="",
             )
+        ],
+    ),
+    m.PeersReply(
+        id=15,
+        peers=[
+            m.PeerInfo(node="gen", state="up", direction="outgoing", remote="127.0.0.1:5701", last_heard_s=0.4,
+                       transfers_active=2, mapped=True),
+            m.PeerInfo(node="ctx2", state="connecting", direction="outgoing", remote="127.0.0.2:5701",
+                       error="connection refused"),
         ],
     ),
     m.ConfigReply(id=12, config_json='{"node": "n"}'),

@@ -1,9 +1,11 @@
 """systemd/: the unit file, the sysusers entry and the example configuration.
 
 `systemd-analyze verify` and `systemd-sysusers` come from Debian's ``systemd`` package, which
-CI installs (``apt-get install -y systemd``). A missing binary FAILS these tests, so a broken CI
-image cannot silently skip them; set ``KVD_ALLOW_NO_SYSTEMD=1`` to skip instead (developer
-machines without systemd).
+``.ci/run`` installs (``apt-get install -y systemd``). Where a binary is genuinely absent, the
+three tests that run it skip with the reason ``systemd-analyze not installed: apt-get install
+systemd`` (``pytest -ra`` prints it in the summary; the README says so); under CI (``CI=true``)
+a missing binary FAILS them instead, so a broken CI image cannot skip them unnoticed. Every
+other test here needs nothing but Python.
 
 How the unit is verified: ``systemd-analyze verify`` insists that ``ExecStart``'s binary exists
 (``Command /usr/bin/kvd is not executable`` otherwise), and kvd is not installed system-wide in
@@ -35,6 +37,7 @@ from kvd.config import (
     config_from_dict,
     load_config,
 )
+from kvd.startup import EX_CONFIG
 
 ROOT = Path(__file__).resolve().parent.parent
 UNIT = ROOT / "systemd" / "kvd.service"
@@ -73,15 +76,24 @@ def one(unit: dict[str, dict[str, list[str]]], key: str, section: str = "Service
 
 
 def require_binary(name: str) -> str:
+    """The path of ``name``; skip visibly where systemd is not installed (fail under CI)."""
     path = shutil.which(name)
     if path is None:
-        if os.environ.get("KVD_ALLOW_NO_SYSTEMD") == "1":
-            pytest.skip(f"{name} not installed (KVD_ALLOW_NO_SYSTEMD=1)")
-        pytest.fail(
-            f"{name} not found: install Debian's systemd package (apt-get install -y systemd), "
-            "or set KVD_ALLOW_NO_SYSTEMD=1 to skip"
-        )
+        reason = f"{name} not installed: apt-get install systemd"
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"{reason} (CI=true: .ci/run installs it, so it must be there)")
+        pytest.skip(reason)
     return path
+
+
+def test_require_binary_skips_or_fails_only_when_absent(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert require_binary("sh") == shutil.which("sh")
+    monkeypatch.delenv("CI", raising=False)
+    with pytest.raises(pytest.skip.Exception, match="kvd-absent not installed: apt-get install systemd"):
+        require_binary("kvd-absent")
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="CI=true"):
+        require_binary("kvd-absent")
 
 
 # --- the unit file ---------------------------------------------------------------------------
@@ -92,6 +104,7 @@ def test_unit_service_settings(unit: dict[str, dict[str, list[str]]]) -> None:
     assert one(unit, "NotifyAccess") == "main"
     assert one(unit, "WatchdogSec") == "30"
     assert one(unit, "Restart") == "on-failure"
+    assert one(unit, "RestartPreventExitStatus") == str(EX_CONFIG)  # kvd serve's "fix the config first"
     assert one(unit, "ExecStart") == "/usr/bin/kvd serve --config /etc/kvd/kvd.toml"
     assert "ExecReload" not in unit["Service"], "kvd cannot reload its configuration in place"
     assert one(unit, "KillSignal") == "SIGTERM"
@@ -101,6 +114,15 @@ def test_unit_service_settings(unit: dict[str, dict[str, list[str]]]) -> None:
     assert one(unit, "RuntimeDirectory") == "kvd"
     assert one(unit, "LimitMEMLOCK") == "infinity"
     assert one(unit, "WantedBy", "Install") == "multi-user.target"
+
+
+def test_unit_documentation_is_installed_by_the_readme(unit: dict[str, dict[str, list[str]]]) -> None:
+    """Documentation= names a file of this repository that the README's install steps put there."""
+    doc = one(unit, "Documentation", "Unit")
+    assert doc == "file:/usr/share/doc/kvd/README.md"
+    readme = (ROOT / "README.md").read_text()
+    assert "sudo install -D -m 0644 -t /usr/share/doc/kvd README.md docs/*.md" in readme
+    assert (ROOT / "README.md").is_file()
 
 
 def test_unit_hardening(unit: dict[str, dict[str, list[str]]]) -> None:

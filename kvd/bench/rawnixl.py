@@ -1,7 +1,7 @@
 """Raw NIXL write throughput between two processes: large descriptors vs per-fragment.
 
-The figures behind DESIGN.md's "fragments kill throughput": the same bytes written as one
-descriptor, as 64 MiB descriptors, and as 16 KiB descriptors, host memory to host memory over
+Why kvd avoids per-fragment writes (docs/performance.md has the figures): the same bytes
+written as one descriptor, as 64 MiB descriptors, and as 16 KiB descriptors, host memory to host memory over
 UCX on loopback (``UCX_NET_DEVICES=lo``). The writer is a :class:`~kvd.transport.NixlAgent`
 in this process; the target is a :class:`~kvd.transport.peerproc.PeerProcess`.
 

@@ -15,6 +15,7 @@ import argparse
 import os
 import secrets
 import shutil
+import sys
 import tempfile
 import threading
 import time
@@ -178,7 +179,8 @@ def print_summary(results: dict[str, Completion], wall: float, ok: bool) -> None
         gbps = c.bytes / c.duration_s / 1e9 if c.duration_s else 0.0
         table.add_row(name, str(c.bytes), f"{c.bytes / 2**20:.1f}", f"{gbps:.2f}", c.path, str(c.chunks),
                       c.fallback or "-", f"{c.duration_s:.3f}")
-    console = Console()
+    # off a terminal (a pipe, CI's log) rich would cut the table at 80 columns: no width limit there
+    console = Console() if sys.stdout.isatty() else Console(width=200, soft_wrap=True)
     console.print(table)
     console.print(f"publish -> completion wall time {wall:.3f}s; verification: "
                   + ("[green]byte-exact on all 4 gen ranks[/green]" if ok else "[red]MISMATCH[/red]"))

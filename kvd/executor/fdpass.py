@@ -1,6 +1,6 @@
 """Sending file descriptors with a frame over a trio Unix socket (SCM_RIGHTS).
 
-``socket.send_fds(trio_sock, ...)`` silently does nothing on a trio socket (DESIGN.md); this
+``socket.send_fds(trio_sock, ...)`` silently does nothing on a trio socket; this
 uses ``sendmsg`` with the ancillary data, as the trio socket supports it.
 """
 

@@ -1,7 +1,7 @@
 """The daemon's Unix-socket listener.
 
 trio has no ``serve_unix``; this builds one from ``trio.socket`` bind/listen and
-``trio.SocketListener``. Rules (issue 2):
+``trio.SocketListener``. Rules:
 
 - the socket is created with mode ``socket_mode`` (0660 by default: owner + group);
 - a stale socket left by a dead daemon (connect → ECONNREFUSED) is replaced;

@@ -14,6 +14,11 @@ configuration (:class:`kvd.config.AccessConfig`):
 - otherwise exactly the listed uids, and members (primary or supplementary, as above) of the
   listed gids; the daemon's group is then no longer allowed implicitly.
 
+*Operators* — root, the daemon's own uid, and members (primary or supplementary) of
+``[access] operator_gids`` — may also use the verbs that change the daemon itself (``drain``)
+and the connection slots reserved for them (``[limits] operator_reserve``):
+:meth:`AccessPolicy.operator_reason`.
+
 Looking up supplementary groups reads the user database (NSS), which may be slow with LDAP &
 co; it only happens when the cheap checks (uid, primary gid) did not already decide. Callers
 that must not stall the event loop on NSS can run :meth:`AccessPolicy.check` in
@@ -93,10 +98,12 @@ class AccessPolicy:
         daemon_uid: int | None = None,
         daemon_gid: int | None = None,
         *,
+        operator_gids: Collection[int] = (),
         group_lookup: Callable[[int, int], Collection[int]] = supplementary_groups,
     ) -> None:
         self.allowed_uids = _ids(allowed_uids)
         self.allowed_gids = _ids(allowed_gids)
+        self.operator_gids = _ids(operator_gids)
         self.daemon_uid = os.geteuid() if daemon_uid is None else daemon_uid
         self.daemon_gid = os.getegid() if daemon_gid is None else daemon_gid
         self._group_lookup = group_lookup
@@ -107,7 +114,9 @@ class AccessPolicy:
     ) -> AccessPolicy:
         """The policy of ``[access]`` for a daemon running as ``daemon_uid``/``daemon_gid``
         (default: this process's effective ids)."""
-        return cls(access.allowed_uids, access.allowed_gids, daemon_uid, daemon_gid)
+        return cls(
+            access.allowed_uids, access.allowed_gids, daemon_uid, daemon_gid, operator_gids=access.operator_gids
+        )
 
     @property
     def default_rule(self) -> bool:
@@ -138,6 +147,25 @@ class AccessPolicy:
             return "supplementary group"
         return None
 
+    def operator_reason(self, creds: Creds) -> str | None:
+        """Why ``creds`` are an operator's ("root", "daemon uid", "operator group"), or None."""
+        if creds.uid == 0:
+            return "root"
+        if creds.uid == self.daemon_uid:
+            return "daemon uid"
+        if not self.operator_gids:
+            return None
+        if creds.gid in self.operator_gids:
+            return "operator group"
+        if creds.uid >= 0 and self.operator_gids & frozenset(self._group_lookup(creds.uid, creds.gid)):
+            return "operator group"
+        return None
+
+    def operator_rule(self) -> str:
+        """Who the operators are, in words (for refusals)."""
+        groups = f", members of gids {sorted(self.operator_gids)}" if self.operator_gids else ""
+        return f"root, uid {self.daemon_uid}{groups} ([access] operator_gids)"
+
     def allows(self, creds: Creds) -> bool:
         """True when ``creds`` may use the daemon."""
         return self.reason(creds) is not None
@@ -160,5 +188,5 @@ class AccessPolicy:
     def __repr__(self) -> str:
         return (
             f"AccessPolicy(allowed_uids={sorted(self.allowed_uids)}, allowed_gids={sorted(self.allowed_gids)}, "
-            f"daemon_uid={self.daemon_uid}, daemon_gid={self.daemon_gid})"
+            f"operator_gids={sorted(self.operator_gids)}, daemon_uid={self.daemon_uid}, daemon_gid={self.daemon_gid})"
         )

@@ -19,6 +19,7 @@ import structlog
 import trio
 
 from kvd.executor.fdpass import send_with_fds
+from kvd.ops.throttle import Throttle
 from protocol import messages as m
 from protocol.codec import decode_request, encode, request_id_of
 from protocol.errors import (
@@ -29,9 +30,11 @@ from protocol.errors import (
     LimitExceeded,
     PermissionDenied,
     ProtocolError,
+    ReplyTooLarge,
     VersionMismatch,
 )
-from protocol.framing import FrameBuffer
+from protocol.framing import DEFAULT_MAX_FRAME_SIZE, FrameBuffer
+from protocol.limits import clip_text
 
 if TYPE_CHECKING:
     from kvd.daemon import Daemon
@@ -46,6 +49,8 @@ RECEIVE_SIZE = 65536
 #: how much of what the client still sends we read and discard before closing.
 REFUSE_LINGER_S = 1.0
 REFUSE_LINGER_BYTES = 4 << 20
+#: Replies may always be this large, whatever ``max_frame_size`` (stats, pool lists).
+REPLY_FLOOR = 1 << 20
 
 
 @dataclass(eq=False)
@@ -60,6 +65,8 @@ class Session:
     connected_at: float = field(default_factory=time.monotonic)
     inflight: int = 0
     requests: set[str] = field(default_factory=set)
+    #: Root, the daemon's uid or a member of ``[access] operator_gids`` (see :func:`is_operator`).
+    operator: bool = False
 
     def info(self, blocks_leased: int) -> m.SessionInfo:
         """Wire description for ``kvctl sessions``."""
@@ -84,15 +91,33 @@ class SessionConnection:
         self._send_lock = trio.Lock()
         self._frames = FrameBuffer(daemon.config.limits.max_frame_size)
 
+    @property
+    def reply_limit(self) -> int:
+        """Largest reply frame: ``max_frame_size`` (at least 1 MiB), at most what clients read."""
+        return min(max(self.daemon.config.limits.max_frame_size, REPLY_FLOOR), DEFAULT_MAX_FRAME_SIZE)
+
     async def send(self, msg: m.Message, fds: list[int] | None = None) -> None:
-        """Write one reply (with optional fds) atomically with respect to other replies."""
-        data = encode(msg, max(self.daemon.config.limits.max_frame_size, 1 << 20))
+        """Write one reply (with optional fds) atomically with respect to other replies.
+
+        A reply too large for one frame fails its request with ``reply_too_large`` (the
+        session goes on) instead of breaking the connection.
+        """
+        try:
+            data = encode(msg, self.reply_limit)
+        except FrameTooLarge as exc:
+            err = ReplyTooLarge(
+                f"the {type(msg).__name__} reply does not fit in one frame ({exc.message}); "
+                "ask for less (offset/limit)"
+            )
+            _throttle.warning("session.reply_too_large", reply=type(msg).__name__, reason=err.message)
+            data = encode(m.Error(id=msg.id, code=err.code, message=err.message))
+            fds = None
         async with self._send_lock:
             await send_with_fds(self.stream.socket, data, fds or [])
 
     async def send_error(self, request_id: int, exc: KvdError) -> None:
-        """Reply with the wire form of ``exc``."""
-        await self.send(m.Error(id=request_id, code=exc.code, message=exc.message))
+        """Reply with the wire form of ``exc`` (its message clipped to ``MAX_TEXT_LEN``)."""
+        await self.send(m.Error(id=request_id, code=exc.code, message=clip_text(exc.message)))
 
     async def refuse(self, request_id: int, exc: KvdError) -> None:
         """Send ``exc``, then give the client a moment to read it before we hang up.
@@ -125,8 +150,29 @@ class SessionConnection:
                 return frames
 
 
+def is_operator(session: Session) -> bool:
+    """True when the session's peer is an operator (root, the daemon's uid, ``operator_gids``).
+
+    Decided once from SO_PEERCRED when the connection is accepted; use it to guard every verb
+    that changes the daemon rather than the caller's own requests.
+    """
+    return session.operator
+
+
+#: Warnings a client can trigger at will are rate-limited (one line, then a count).
+_throttle = Throttle(log)
+#: Access refusals are each worth a line (who was refused), up to a burst.
+_rejections = Throttle(log, burst=20)
+
+
 async def handle_connection(daemon: Daemon, stream: trio.SocketStream) -> None:
-    """Serve one client connection until it closes; never raises for client faults."""
+    """Serve one client connection until it closes; never raises for client faults.
+
+    A connection is *pending* (counted against ``max_pending_connections``) until its Hello
+    arrives, which must happen within ``handshake_timeout_s``; only then does it become a
+    session (counted against ``max_sessions``). Operators may use ``operator_reserve`` more
+    of each, so a flood of other clients cannot lock them out.
+    """
     from kvd.executor.peercred import peer_credentials
 
     try:
@@ -137,26 +183,54 @@ async def handle_connection(daemon: Daemon, stream: trio.SocketStream) -> None:
         return
     session = Session(id=next(_session_ids), pid=creds.pid, uid=creds.uid, gid=creds.gid)
     conn = SessionConnection(daemon, stream, session)
+    limits = daemon.config.limits
     bound = structlog.contextvars.bound_contextvars(session=session.id, pid=creds.pid, uid=creds.uid)
     with bound:
         try:
             try:
                 daemon.access.check(creds)
             except PermissionDenied as exc:
-                log.warning("session.rejected", gid=creds.gid, reason=exc.message)
+                _rejections.warning("session.rejected", gid=creds.gid, reason=exc.message)
                 daemon.counters.rejected_sessions += 1
                 await conn.refuse(0, exc)
                 return
-            if len(daemon.sessions) >= daemon.config.limits.max_sessions:
-                exc2 = LimitExceeded(
-                    f"max_sessions={daemon.config.limits.max_sessions} reached; try again later"
+            session.operator = daemon.access.operator_reason(creds) is not None
+            reserve = limits.operator_reserve if session.operator else 0
+            if daemon.pending_connections >= limits.max_pending_connections + reserve:
+                exc_p = LimitExceeded(
+                    f"max_pending_connections={limits.max_pending_connections} connections are waiting "
+                    "for their handshake; try again later"
                 )
-                log.warning("session.limit", reason=exc2.message)
-                await conn.refuse(0, exc2)
+                _throttle.warning("session.pending_limit", reason=exc_p.message)
+                await conn.refuse(0, exc_p)
+                return
+            daemon.pending_connections += 1
+            try:
+                first = await _handshake(daemon, conn)
+            finally:
+                daemon.pending_connections -= 1
+            if first is None:
+                return
+            hello, rest = first
+            if len(daemon.sessions) >= limits.max_sessions + reserve:
+                exc2 = LimitExceeded(f"max_sessions={limits.max_sessions} reached; try again later")
+                _throttle.warning("session.limit", reason=exc2.message)
+                await conn.refuse(hello.id, exc2)
                 return
             daemon.add_session(session)
             try:
-                await _serve_session(daemon, conn)
+                log.info("session.opened", client=hello.client, client_pid=hello.pid, operator=session.operator)
+                await conn.send(
+                    m.Welcome(
+                        id=hello.id,
+                        version=m.PROTOCOL_VERSION,
+                        server=f"kvd {daemon.version}",
+                        node=daemon.config.node,
+                        session_id=session.id,
+                        max_frame_size=limits.max_frame_size,
+                    )
+                )
+                await _serve_session(daemon, conn, rest)
             finally:
                 with trio.CancelScope(shield=True):
                     returned = await daemon.end_session(session)
@@ -173,57 +247,76 @@ async def handle_connection(daemon: Daemon, stream: trio.SocketStream) -> None:
                 await stream.aclose()
 
 
-async def _serve_session(daemon: Daemon, conn: SessionConnection) -> None:
-    session = conn.session
-    handshaken = False
+async def _handshake(daemon: Daemon, conn: SessionConnection) -> tuple[m.Hello, list[bytes]] | None:
+    """Read the Hello (within ``handshake_timeout_s``); returns it and the frames after it.
+
+    ``None``: the connection was refused (and told why) or closed before a valid Hello.
+    """
+    timeout = daemon.config.limits.handshake_timeout_s
+    frames: list[bytes] | None = None
+    with trio.move_on_after(timeout):
+        try:
+            frames = await conn.receive_frames()
+        except FrameTooLarge as exc:
+            _throttle.warning("session.frame_too_large", reason=exc.message)
+            await conn.refuse(0, exc)
+            return None
+        except (trio.BrokenResourceError, ConnectionError):
+            return None
+        if frames is None:
+            return None
+    if frames is None:
+        exc_t = HandshakeRequired(f"no Hello within handshake_timeout_s={timeout:g} s")
+        _throttle.warning("session.handshake_timeout", reason=exc_t.message)
+        await conn.refuse(0, exc_t)
+        return None
+    payload, rest = frames[0], frames[1:]
+    try:
+        msg = decode_request(payload)
+    except KvdError as exc:
+        _throttle.warning("session.bad_frame", reason=clip_text(exc.message), handshaken=False)
+        await conn.refuse(request_id_of(payload), exc)
+        return None
+    if not isinstance(msg, m.Hello):
+        exc_h = HandshakeRequired("the first message must be Hello")
+        _throttle.warning("session.bad_frame", reason=exc_h.message, handshaken=False)
+        await conn.refuse(msg.id, exc_h)
+        return None
+    if msg.version != m.PROTOCOL_VERSION:
+        exc_v = VersionMismatch(
+            f"client speaks protocol version {msg.version}, this daemon speaks {m.PROTOCOL_VERSION}"
+        )
+        _throttle.warning("session.version_mismatch", reason=exc_v.message)
+        await conn.refuse(msg.id, exc_v)
+        return None
+    conn.session.client = msg.client
+    return msg, rest
+
+
+async def _serve_session(daemon: Daemon, conn: SessionConnection, first: list[bytes]) -> None:
+    pending: list[bytes] | None = first
     async with trio.open_nursery() as nursery:
         try:
             while True:
-                try:
-                    frames = await conn.receive_frames()
-                except FrameTooLarge as exc:
-                    log.warning("session.frame_too_large", reason=exc.message)
-                    await conn.refuse(0, exc)
-                    return  # the byte stream is no longer aligned: disconnect
-                except (trio.BrokenResourceError, ConnectionError):
-                    return
-                if frames is None:
-                    return
+                if pending is None:
+                    try:
+                        pending = await conn.receive_frames()
+                    except FrameTooLarge as exc:
+                        _throttle.warning("session.frame_too_large", reason=exc.message)
+                        await conn.refuse(0, exc)
+                        return  # the byte stream is no longer aligned: disconnect
+                    except (trio.BrokenResourceError, ConnectionError):
+                        return
+                    if pending is None:
+                        return
+                frames, pending = pending, None
                 for payload in frames:
                     try:
                         msg = decode_request(payload)
                     except KvdError as exc:
-                        if not handshaken:
-                            await conn.refuse(request_id_of(payload), exc)
-                            return
+                        # one rate-limited line: a client can send malformed frames at will
+                        _throttle.warning("session.bad_frame", reason=clip_text(exc.message), handshaken=True)
                         await conn.send_error(request_id_of(payload), exc)
-                        continue
-                    if not handshaken:
-                        if not isinstance(msg, m.Hello):
-                            await conn.refuse(msg.id, HandshakeRequired("the first message must be Hello"))
-                            return
-                        if msg.version != m.PROTOCOL_VERSION:
-                            await conn.refuse(
-                                msg.id,
-                                VersionMismatch(
-                                    f"client speaks protocol version {msg.version}, "
-                                    f"this daemon speaks {m.PROTOCOL_VERSION}"
-                                ),
-                            )
-                            return
-                        session.client = msg.client
-                        handshaken = True
-                        log.info("session.opened", client=msg.client, client_pid=msg.pid)
-                        await conn.send(
-                            m.Welcome(
-                                id=msg.id,
-                                version=m.PROTOCOL_VERSION,
-                                server=f"kvd {daemon.version}",
-                                node=daemon.config.node,
-                                session_id=session.id,
-                                max_frame_size=daemon.config.limits.max_frame_size,
-                            )
-                        )
                         continue
                     if isinstance(msg, m.Hello):
                         await conn.send_error(msg.id, ProtocolError("Hello sent twice"))
@@ -239,7 +332,15 @@ async def _dispatch(
     """Run one request: inline when quick, as a session task when it may wait."""
     session = conn.session
     if isinstance(msg, m.Drain):
-        # reply first: once the stop is requested the root nursery may cancel this session
+        if not is_operator(session):
+            refused = PermissionDenied(
+                f"drain changes the daemon and needs an operator: {daemon.access.operator_rule()}; "
+                f"this session (uid {session.uid}, gid {session.gid}) is not one"
+            )
+            _rejections.warning("session.operator_refused", verb="drain", gid=session.gid, reason=refused.message)
+            await conn.send_error(msg.id, refused)
+            return
+        # reply first: the stop that follows must not race the Ok
         try:
             await conn.send(m.Ok(id=msg.id))
         finally:

@@ -5,7 +5,7 @@
 ``CUresult`` other than ``CUDA_SUCCESS`` into :class:`CudaCallError` (a
 :class:`~protocol.errors.PoolError`) naming the call and the CUDA error, e.g.
 ``"cuMemCreate: CUDA_ERROR_NOT_PERMITTED"``. Without a driver, cuda-python *raises* from
-``cuInit`` (DESIGN.md); :func:`ensure_context` converts that to ``PoolError("no CUDA driver: ...")``.
+``cuInit`` instead of returning an error code; :func:`ensure_context` converts that to ``PoolError("no CUDA driver: ...")``.
 
 The CUDA context used is the device's *primary* context, the one torch uses too, so pointers
 made here are valid for torch tensors and vice versa.

@@ -21,6 +21,7 @@ from prometheus_client import generate_latest as _generate_latest
 from prometheus_client.process_collector import ProcessCollector
 
 from kvd.ops.logs import get_logger
+from kvd.startup import bind_failed
 
 __all__ = [
     "CONTENT_TYPE_LATEST",
@@ -271,9 +272,14 @@ async def serve_metrics(
 
     ``port=0`` picks an ephemeral port. ``task_status.started(port)`` reports the bound port
     (of the first listener when ``host`` resolves to several addresses). Bind errors raise
-    ``OSError`` before ``started()``.
+    :class:`~kvd.startup.StartupError` (naming ``metrics_port``) before ``started()``.
     """
-    listeners = await trio.open_tcp_listeners(port, host=host)
+    try:
+        listeners = await trio.open_tcp_listeners(port, host=host)
+    except OSError as exc:
+        raise bind_failed(
+            exc, what="metrics", host=host, port=port, setting="metrics_port", env="KVD_METRICS_PORT; 0 = off"
+        ) from None
     actual = int(listeners[0].socket.getsockname()[1])
     _log.info("metrics.listening", host=host, port=actual)
     task_status.started(actual)

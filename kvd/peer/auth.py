@@ -55,7 +55,11 @@ def load_secret(path: str | os.PathLike[str]) -> bytes:
     try:
         fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:
-        raise BadRequest(f"peer secret file {p} does not exist") from None
+        raise BadRequest(
+            f"peer secret file {p} does not exist; create it with the same secret on every node "
+            f"(openssl rand -hex 32 > {p} && chmod 600 {p}), or remove peer_secret_file and "
+            "[[peers]] to serve local transfers only"
+        ) from None
     except OSError as exc:
         if exc.errno is not None and exc.errno == getattr(os, "ELOOP", -1):
             raise PermissionDenied(
@@ -74,7 +78,8 @@ def load_secret(path: str | os.PathLike[str]) -> bytes:
             )
         if st.st_uid != os.geteuid():
             raise PermissionDenied(
-                f"peer secret file {p} is owned by uid {st.st_uid}, not by this daemon's uid {os.geteuid()}"
+                f"peer secret file {p} is owned by uid {st.st_uid}, not by this daemon's uid {os.geteuid()}; "
+                f"chown it to the user kvd runs as"
             )
         data = os.read(fd, MAX_SECRET_BYTES + 1)
     finally:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import random
 from collections import deque
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import msgspec
@@ -369,7 +370,7 @@ async def handshake_server(
     *,
     node: str,
     secret: bytes,
-    local_welcome_payload: PeerWelcome,
+    local_welcome_payload: PeerWelcome | Callable[[], PeerWelcome],
     timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
     version: int = PEER_PROTOCOL_VERSION,
     max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
@@ -377,7 +378,9 @@ async def handshake_server(
     """Authenticate a connecting daemon; returns its node name and welcome.
 
     Same errors as :func:`handshake_client`. Before the peer has proved the secret, frames
-    are limited to :data:`~protocol.peer.PRE_AUTH_MAX_FRAME_SIZE`.
+    are limited to :data:`~protocol.peer.PRE_AUTH_MAX_FRAME_SIZE`. ``local_welcome_payload``
+    may be a callable: it is then only called once the peer has authenticated (building a
+    welcome asks NIXL for its metadata; a stranger must not make us do that).
     """
     conn = _as_conn(stream, max_frame_size)
     full = conn.max_frame_size
@@ -426,7 +429,8 @@ async def handshake_server(
                 raise fail
             conn.remote_node = hello.node
             conn.max_frame_size = full
-            await conn.send(msgspec.structs.replace(local_welcome_payload, node=node))
+            ours = local_welcome_payload() if callable(local_welcome_payload) else local_welcome_payload
+            await conn.send(msgspec.structs.replace(ours, node=node))
             welcome = await _expect(conn, PeerWelcome)
             if welcome.node != hello.node:
                 raise ProtocolError(f"peer {hello.node!r} sent a welcome for {welcome.node!r}")
@@ -483,6 +487,14 @@ async def run_heartbeats(conn: PeerConnection, interval: float = 5.0, timeout: f
 # --- connecting --------------------------------------------------------------------------
 
 
+def _connect_error(exc: OSError) -> str:
+    """trio's "all attempts to connect to H:P failed", with why (e.g. "Connection refused")."""
+    cause = exc.__cause__
+    inner = cause.exceptions[0] if isinstance(cause, BaseExceptionGroup) and cause.exceptions else cause
+    detail = inner.strerror if isinstance(inner, OSError) else ""
+    return f"{exc}: {detail}" if detail and detail not in str(exc) else str(exc)
+
+
 async def connect_with_backoff(
     host: str,
     port: int,
@@ -494,12 +506,14 @@ async def connect_with_backoff(
     connect_timeout: float = 5.0,
     max_attempts: int | None = None,
     rng: random.Random | None = None,
+    on_retry: Callable[[str], None] | None = None,
 ) -> trio.SocketStream:
     """Open a TCP stream, retrying with exponential backoff (capped at ``maximum``) and jitter.
 
     Each wait is ``delay * (1 - jitter * U[0,1))``, with ``delay`` doubling from ``initial``.
     Cancellable at any point (the caller's deadline applies); raises ``PeerUnavailable``
-    after ``max_attempts`` failed attempts (``None`` = retry forever).
+    after ``max_attempts`` failed attempts (``None`` = retry forever). ``on_retry(reason)`` is
+    called after each failed attempt (``kvctl peers`` shows the latest reason).
     """
     if initial <= 0 or maximum < initial or multiplier < 1 or not 0 <= jitter <= 1:
         raise ValueError("need 0 < initial <= maximum, multiplier >= 1 and 0 <= jitter <= 1")
@@ -513,12 +527,14 @@ async def connect_with_backoff(
                 stream = await trio.open_tcp_stream(host, port)
         except (OSError, trio.TooSlowError) as exc:
             reason = (
-                f"timed out after {connect_timeout} s" if isinstance(exc, trio.TooSlowError) else str(exc)
+                f"timed out after {connect_timeout} s" if isinstance(exc, trio.TooSlowError) else _connect_error(exc)
             )
             if max_attempts is not None and attempt >= max_attempts:
                 raise PeerUnavailable(
                     f"cannot connect to peer {host}:{port} after {attempt} attempts: {reason}"
                 ) from None
+            if on_retry is not None:
+                on_retry(reason)
             wait = delay * (1 - jitter * rand.random())
             level = log.info if attempt == 1 or attempt % 10 == 0 else log.debug
             level(
@@ -573,11 +589,14 @@ async def accept_peer(
     *,
     node: str,
     secret: bytes,
-    welcome: PeerWelcome,
+    welcome: PeerWelcome | Callable[[], PeerWelcome],
     handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
     max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
 ) -> PeerConnection:
-    """Authenticate an accepted stream (a ``trio.serve_tcp`` handler's); closed on failure."""
+    """Authenticate an accepted stream (a ``trio.serve_tcp`` handler's); closed on failure.
+
+    ``welcome`` may be a callable, called only after the peer authenticated.
+    """
     conn = PeerConnection(stream, max_frame_size=max_frame_size)
     try:
         await handshake_server(

@@ -16,10 +16,14 @@ from typing import TYPE_CHECKING
 import structlog
 import trio
 
+from kvd.ops.accept import accept_loop
+from kvd.ops.throttle import Throttle
 from kvd.peer import accept_peer, connect_peer, load_secret, run_heartbeats
 from kvd.peer.attach import attach_peer_pools
+from kvd.startup import bind_failed
 from protocol import transfer as x
-from protocol.errors import BadRequest, KvdError, PeerUnavailable
+from protocol.errors import AuthFailed, BadRequest, KvdError, PeerUnavailable, VersionMismatch
+from protocol.limits import clip_text
 from protocol.peer import PeerWelcome, PoolDesc, RegionDesc, register_peer_messages
 
 if TYPE_CHECKING:
@@ -34,6 +38,17 @@ if TYPE_CHECKING:
 log = structlog.get_logger("kvd.peer")
 
 register_peer_messages(*x.XFER_MESSAGES)
+
+#: Failures on the peer port that anyone who can reach it can cause: rate-limited lines.
+_throttle = Throttle(log)
+
+
+def _remote(stream: trio.SocketStream) -> str:
+    try:
+        host, port = stream.socket.getpeername()[:2]
+    except (OSError, ValueError):
+        return ""
+    return f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
 
 
 def host_identity() -> str:
@@ -101,6 +116,7 @@ class PeerLinks:
         self.owed: dict[str, list[x.XferMessage]] = {}
         self.secret: bytes | None = None
         self.last_error: dict[str, str] = {}  # peer -> why its last connect failed
+        self.pending = 0  # accepted peer-port connections not yet authenticated
         self._changed = trio.Event()  # set (and replaced) whenever a link comes up
 
     def get(self, node: str) -> PeerLink:
@@ -169,22 +185,51 @@ class PeerLinks:
             return
         # the bounce staging exists only on daemons with peers (allocated and registered once)
         await trio.to_thread.run_sync(self.transport.ensure_staging)
-        listeners = await trio.open_tcp_listeners(cfg.peer_port, host=cfg.peer_host)
+        try:
+            listeners = await trio.open_tcp_listeners(cfg.peer_port, host=cfg.peer_host)
+        except OSError as exc:
+            raise bind_failed(
+                exc, what="peer-link", host=cfg.peer_host, port=cfg.peer_port, setting="peer_port", env="KVD_PEER_PORT"
+            ) from None
         port = int(listeners[0].socket.getsockname()[1])
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(partial(trio.serve_listeners, self._accept, listeners))
+            for listener in listeners:
+                nursery.start_soon(partial(accept_loop, listener, self._accept, nursery, what="peer"))
             for peer in cfg.peers:
                 nursery.start_soon(self._connect_forever, peer.name, peer.host, peer.port)
             log.info("peer.listening", host=cfg.peer_host, port=port)
             task_status.started(port)
 
     async def _accept(self, stream: trio.SocketStream) -> None:
+        """Authenticate one connection on the peer port, then serve it as a link.
+
+        Nothing a connecting party sends may take the daemon down: every failure before the
+        link is up is one (rate-limited) warning line and a closed connection. Connections not
+        yet authenticated are bounded by ``[limits] max_pending_peers`` and must authenticate
+        within ``handshake_timeout_s``.
+        """
         assert self.secret is not None
+        limits = self.config.limits
+        remote = _remote(stream)
+        if self.pending >= limits.max_pending_peers:
+            _throttle.warning("peer.pending_limit", remote=remote, max_pending_peers=limits.max_pending_peers)
+            await trio.aclose_forcefully(stream)
+            return
+        self.pending += 1
         try:
-            conn = await accept_peer(stream, node=self.config.node, secret=self.secret, welcome=self.welcome(),
-                                     max_frame_size=self.config.limits.max_frame_size)
-        except KvdError:
-            return  # logged by the handshake (peer.auth_failed, ...); the stream is closed
+            conn = await accept_peer(stream, node=self.config.node, secret=self.secret, welcome=self.welcome,
+                                     handshake_timeout=limits.handshake_timeout_s,
+                                     max_frame_size=limits.max_frame_size)
+        except (AuthFailed, VersionMismatch):
+            return  # logged by the handshake (peer.auth_failed, peer.version_mismatch); closed
+        except KvdError as exc:
+            _throttle.warning("peer.handshake_failed", remote=remote, reason=clip_text(exc.message))
+            return  # the stream is closed
+        except Exception as exc:  # a bug in the handshake: this connection ends, the daemon does not
+            log.exception("peer.handshake_crashed", remote=remote, error=clip_text(f"{type(exc).__name__}: {exc}"))
+            return
+        finally:
+            self.pending -= 1
         await self._serve(conn)
 
     async def _connect_forever(self, node: str, host: str, port: int) -> None:
@@ -194,7 +239,8 @@ class PeerLinks:
             try:
                 conn = await connect_peer(host, port, node=self.config.node, secret=self.secret,
                                           welcome=self.welcome(), expect_node=node,
-                                          max_frame_size=self.config.limits.max_frame_size, maximum=2.0)
+                                          max_frame_size=self.config.limits.max_frame_size, maximum=2.0,
+                                          on_retry=partial(self.last_error.__setitem__, node))
             except KvdError as exc:
                 self.last_error[node] = str(exc)
                 log.warning("peer.connect_failed", node=node, host=host, port=port, error=str(exc))
@@ -252,13 +298,16 @@ class PeerLinks:
                             log.debug("peer.ignored_message", node=node, type=type(msg).__name__)
                 except (KvdError, trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
                     reasons.append(exc.message if isinstance(exc, KvdError) else str(exc) or type(exc).__name__)
+                except Exception as exc:  # a bug handling a peer message: the link ends, the daemon does not
+                    log.exception("peer.link_crashed", node=node)
+                    reasons.append(f"internal error: {type(exc).__name__}")
                 nursery.cancel_scope.cancel()
         finally:
             with trio.CancelScope(shield=True):
                 if self.links.get(node) is link:
                     del self.links[node]
                 reason = reasons[0] if reasons else "daemon shutting down"
-                log.warning("peer.disconnected", node=node, reason=reason)
+                log.warning("peer.disconnected", node=node, reason=clip_text(reason))
                 self._link_lost(node, reason)
                 with contextlib.suppress(KvdError):
                     nixl.remove_remote(agent)

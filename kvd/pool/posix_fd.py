@@ -3,7 +3,7 @@
 The fd can be passed to another process on this node (SCM_RIGHTS) and imported there with
 ``cuMemImportFromShareableHandle`` (measured working on H200, with copies from the imported
 pool at link speed). But UCX cuda_ipc cannot *target* this memory: NIXL writes into it run at
-about 0.5 GB/s against 308 GB/s into cudaMalloc memory (DESIGN.md), so the policy only uses it
+about 0.5 GB/s against 308 GB/s into cudaMalloc memory (measured on H200), so the policy only uses it
 when asked to, and warns (``pool.posix_fd_slow_nixl_target``).
 """
 

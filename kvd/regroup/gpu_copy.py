@@ -1,7 +1,7 @@
 """Regroup copies on the GPU copy engines: 2D and batched memcpy through cuda-python.
 
 The regroup is a strided copy, and the copy engines do strided copies at link speed without
-taking an SM from the model (DESIGN.md: one ``cuMemcpy2DAsync`` per gen rank, 8 KiB rows at a
+taking an SM from the model (measured on H200: one ``cuMemcpy2DAsync`` per gen rank, 8 KiB rows at a
 32 KiB pitch, ran at 393 GB/s GPU0 -> GPU1 against a 386-395 GB/s contiguous ceiling). This
 module turns a plan's fragments, or a bounce chunk's pieces, into a few 2D copies and submits
 them on a :class:`CopyStream`:
@@ -55,7 +55,7 @@ copy engines, direct, batch1d (rows)     2           13.5
 ======================================  ==========  ==========
 
 Each 2D copy costs the copy engine a fixed ~2.5 us beyond its bytes (576 KiB copies: 147 GB/s
-over NVLink; 2.3 MiB copies: 266; one copy per gen rank as in DESIGN.md: 393), and on one GPU
+over NVLink; 2.3 MiB copies: 266; one copy per gen rank: 393), and on one GPU
 the driver also spends ~5 us of CPU per copy (submission-bound: 89-105 GB/s at 576 KiB). Rows
 are not what costs: a 1D row in ``cuMemcpyBatchAsync`` costs ~0.6 us (peer) to ~5 us (same
 GPU) each. Spreading copies over several streams (``lanes``) changed nothing (140-145 GB/s

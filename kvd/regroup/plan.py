@@ -402,6 +402,30 @@ def _pair_fragments(
     return _coalesce(src, dst, run)
 
 
+#: Bounds on what one plan may size (checked before anything is allocated from the layouts,
+#: which may come from a peer): (gen rank, ctx stage) pairs walked, and fragment rows before
+#: coalescing (src + dst int64 each: 16 bytes a row; 2**26 rows is a ~3.7M-token GPT-OSS
+#: request regrouped TP1 -> TP4).
+MAX_PLAN_PAIRS = 1 << 16
+MAX_PLAN_ROWS = 1 << 26
+
+
+def _check_plan_size(ctx: KVLayout, gen: KVLayout, n_ctx_ranks: int, n_gen_ranks: int, nsub: int) -> None:
+    """Refuse a plan too large to build (raises :class:`BadRequest` naming the figure)."""
+    pairs = n_gen_ranks * ctx.pp_size + n_ctx_ranks * gen.pp_size
+    if pairs > MAX_PLAN_PAIRS:
+        raise BadRequest(
+            f"plan too large: {n_gen_ranks} gen ranks x {ctx.pp_size} ctx stages exceed {MAX_PLAN_PAIRS} pairs"
+        )
+    # every gen rank receives at most (its layers) x K/V x (its heads) rows per sub-block
+    rows = nsub * gen.num_layers * 2 * gen.heads_held() * n_gen_ranks
+    if rows > MAX_PLAN_ROWS:
+        raise BadRequest(
+            f"plan too large: up to {rows} fragment rows ({nsub} sub-blocks x {gen.num_layers} layers x 2 x "
+            f"{gen.heads_held()} heads x {n_gen_ranks} gen ranks) exceed the limit of {MAX_PLAN_ROWS}"
+        )
+
+
 def plan(
     ctx: KVLayout,
     gen: KVLayout,
@@ -436,6 +460,7 @@ def plan(
     # Walk the request in sub-blocks of the smaller tokens_per_block; a larger block holds k of them.
     sub = min(tpb_c, tpb_g)
     nsub = tokens // sub
+    _check_plan_size(ctx, gen, len(cb), len(gb), nsub)
     c_idx = np.arange(nsub, dtype=np.int64)
 
     def chunk_offsets(layout: KVLayout, strides: dict[str, int], ids: Int64Array) -> Int64Array:

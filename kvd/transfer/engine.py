@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -63,11 +62,6 @@ TOMBSTONE_S = 10.0
 MAX_UNCOLLECTED = 1024
 
 
-def is_operator(uid: int) -> bool:
-    """root or the daemon's own uid: may cancel any session's request (``force``)."""
-    return uid in (0, os.geteuid())
-
-
 class Engine:
     """Owns NIXL, the peer links, the bounce staging and every transfer of this daemon."""
 
@@ -83,6 +77,7 @@ class Engine:
         self.peer_port = 0
         self._nursery: trio.Nursery | None = None
         self._running = 0
+        self._live: set[Transfer] = set()
         self._idle = trio.Event()
         self._idle.set()
         self._wake = trio.Event()  # set when a transfer starts: the idle poller wakes up
@@ -116,9 +111,10 @@ class Engine:
             with trio.CancelScope(shield=True):
                 await trio.to_thread.run_sync(transport.close)
 
-    def inflight(self) -> int:
-        """Transfers still running (a side not ended yet, or a write not confirmed yet)."""
-        return self._running
+    def inflight(self) -> list[str]:
+        """Request ids of the transfers still running (a side not ended yet, or a write not
+        confirmed yet), sorted: what a drain waits for."""
+        return sorted({t.request_id for t in self._live})
 
     async def wait_idle(self) -> None:
         """Return once no transfer is running."""
@@ -259,6 +255,7 @@ class Engine:
         assert self._nursery is not None
         t = Transfer(self._env, rid, peer, here)
         self.transfers[t.key] = t
+        self._live.add(t)
         self._running += 1
         self._idle = trio.Event()
         self._wake.set()
@@ -302,8 +299,8 @@ class Engine:
             if not msg.force:
                 raise PermissionDenied(f"request {rid!r} was registered by another session; "
                                        "only it (or an operator with force) may cancel it")
-            if not is_operator(session.uid):
-                raise PermissionDenied(f"uid {session.uid} is not an operator (root or the daemon's uid)")
+            if not session.operator:  # root, the daemon's uid, or [access] operator_gids
+                raise PermissionDenied(f"uid {session.uid} is not an operator")
             t = found[0]
             roles = list(t.sides)
         for role in roles:
@@ -381,6 +378,7 @@ class Engine:
         if staging is not None:
             (staging.send_slots if role is f.Role.CTX else staging.recv_slots).release_owner(t.slot_owner)
         d = self.daemon
+        d.transfer_finished(side)  # kept for `kvctl transfers` after executors collect it
         if c.ok:
             d.counters.transfers_done += 1
             if role is f.Role.CTX:
@@ -401,6 +399,7 @@ class Engine:
         d.update_pool_metrics()
 
     def _on_finished(self, t: Transfer) -> None:
+        self._live.discard(t)
         self._running -= 1
         if self._running == 0:
             self._idle.set()

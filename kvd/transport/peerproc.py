@@ -5,8 +5,8 @@ NIXL must run its two agents in two processes to measure (and exercise) the real
 that owns one agent and one host buffer, registers it, and then polls its agent
 continuously (as the daemon's notification poller does) while answering commands from the
 parent over a pipe: load the parent's metadata, report notifications, hash/read/fill its
-buffer, send a notification. The parent is typically a :class:`~kvd.transport.NixlAgent`
-writing into ``PeerProcess.addr``.
+buffer, send a notification, pause (stop progressing its agent) and resume. The parent is
+typically a :class:`~kvd.transport.NixlAgent` writing into ``PeerProcess.addr``.
 
 Commands are blocking pipe round trips; from trio, call them through
 ``trio.to_thread.run_sync`` if other tasks must run meanwhile.
@@ -25,6 +25,19 @@ from typing import Any
 from protocol.errors import NixlError
 
 __all__ = ["PeerProcess"]
+
+
+def _wait_for_resume(conn: Connection) -> bool:  # pragma: no cover - runs in the child process
+    """Block on the pipe (not on the agent) until "resume"; False if the parent went away."""
+    while True:
+        try:
+            cmd = conn.recv()[0]
+        except EOFError:
+            return False
+        if cmd == "resume":
+            conn.send(("ok", None))
+            return True
+        conn.send(("error", f"paused: {cmd!r} refused until 'resume'"))
 
 
 def _peer_main(
@@ -79,6 +92,12 @@ def _peer_main(
             elif cmd == "send_notif":
                 agent.send_notif(args[0], args[1])
                 conn.send(("ok", None))
+            elif cmd == "pause":
+                # stop calling into the agent until "resume": UCX makes no progress here, so a
+                # write into this peer that needs the target's progress (tcp) cannot complete
+                conn.send(("ok", None))
+                if not _wait_for_resume(conn):
+                    break
             else:
                 conn.send(("error", f"unknown command {cmd!r}"))
         except Exception as exc:
@@ -179,6 +198,15 @@ class PeerProcess:
 
     def send_notif(self, remote_agent: str, msg: bytes) -> None:
         self._call("send_notif", remote_agent, msg)
+
+    def pause(self) -> None:
+        """Stop progressing the peer's agent until :meth:`resume` (the passive side of a write
+        over ``tcp`` then never completes it: a transfer that is certain to be in flight)."""
+        self._call("pause")
+
+    def resume(self) -> None:
+        """Poll the agent again after :meth:`pause`."""
+        self._call("resume")
 
     def kill(self) -> None:
         """Kill the process at once (what a crashed peer looks like)."""

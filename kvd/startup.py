@@ -1,0 +1,110 @@
+"""Startup failures: one line for people, one structured line for the log, an exit code.
+
+Whatever stops ``kvd serve`` before it is ready — a bad configuration, a peer secret that is
+missing or readable by others, a peer or metrics port or the socket path already in use, a pool
+that cannot be created — ends as
+
+- ONE line on stderr, ``kvd: error: <setting>: <what is wrong>; <what to do>``;
+- ONE structured log line, ``daemon.startup_failed`` with ``reason``, ``setting`` and ``code``;
+- a non-zero exit status: :data:`EX_CONFIG` (78, sysexits.h) when the configuration itself must
+  change (the unit's ``RestartPreventExitStatus=78`` then stops systemd from restarting a
+  daemon that cannot start), 1 otherwise (a busy port may be free on the next try).
+
+The places that can fail raise :class:`StartupError` naming the setting; :func:`explain` turns
+whatever arrived (a trio exception group, a ``KvdError`` from deeper down, a bug) into one
+:class:`StartupError`.
+"""
+
+from __future__ import annotations
+
+import errno
+import re
+
+from protocol.errors import KvdError
+
+__all__ = ["EX_CONFIG", "StartupError", "bind_failed", "config_error", "explain", "one_line"]
+
+#: Exit status for "the configuration must change" (sysexits.h ``EX_CONFIG``).
+EX_CONFIG = 78
+
+
+class StartupError(KvdError):
+    """The daemon cannot start; ``setting`` names the configuration key to look at."""
+
+    code = "startup_failed"
+
+    def __init__(self, message: str, *, setting: str = "", exit_code: int = 1, internal: bool = False) -> None:
+        super().__init__(one_line(message))
+        self.setting = setting
+        self.exit_code = exit_code
+        self.internal = internal  # a bug, not a condition: the log line carries the traceback
+
+
+def one_line(text: str) -> str:
+    """``text`` with its line breaks folded (an error message must stay one line)."""
+    return "; ".join(part.strip() for part in text.splitlines() if part.strip())
+
+
+def bind_failed(exc: OSError, *, what: str, host: str, port: int, setting: str, env: str) -> StartupError:
+    """A TCP listener could not bind: say which setting and what to do."""
+    if exc.errno == errno.EADDRINUSE:
+        why = f"{what} port {port} on {host} is already in use"
+        todo = f"stop the process that holds it (ss -ltnp 'sport = :{port}') or set another {setting} ({env})"
+    elif exc.errno == errno.EADDRNOTAVAIL:
+        why = f"{what} address {host} is not an address of this machine"
+        todo = f"set {setting.replace('port', 'host')} to one of its addresses"
+    elif exc.errno == errno.EACCES:
+        why = f"{what} port {port} on {host} needs privileges this daemon does not have"
+        todo = f"choose a port above 1023 for {setting} ({env})"
+    else:
+        why = f"cannot listen on {host}:{port} for the {what}: {exc.strerror or exc}"
+        todo = f"check {setting} ({env})"
+    return StartupError(f"{setting}: {why}; {todo}", setting=setting)
+
+
+_SETTING_AT = re.compile(r"at `\$\.?([^`]*)`")
+_UNKNOWN_FIELD = re.compile(r"unknown field `([^`]*)`")
+
+
+def config_error(path: str | None, exc: KvdError) -> StartupError:
+    """A configuration that cannot be read or is invalid (exit :data:`EX_CONFIG`)."""
+    where = path or "(no file: defaults and KVD_* variables)"
+    match = _SETTING_AT.search(exc.message)
+    setting = match.group(1) if match else ""
+    unknown = _UNKNOWN_FIELD.search(exc.message)
+    if unknown:  # the offending key itself, under the table it was found in
+        setting = f"{setting}.{unknown.group(1)}" if setting else unknown.group(1)
+    message = exc.message if path is None or path in exc.message else f"configuration {where}: {exc.message}"
+    return StartupError(
+        f"{message}: fix the configuration (systemd/kvd.toml shows and explains every key)",
+        setting=setting,
+        exit_code=EX_CONFIG,
+    )
+
+
+def _leaves(exc: BaseException) -> list[BaseException]:
+    if isinstance(exc, BaseExceptionGroup):
+        return [leaf for inner in exc.exceptions for leaf in _leaves(inner)]
+    return [exc]
+
+
+def explain(exc: BaseException) -> StartupError:
+    """The one error to report for ``exc`` (which may be an exception group of several).
+
+    Preference: a :class:`StartupError`, then any other :class:`KvdError`, then an
+    ``OSError``; anything else is reported as an internal error (the log line carries the
+    traceback).
+    """
+    leaves = [e for e in _leaves(exc) if isinstance(e, Exception)]
+    for kind in (StartupError, KvdError, OSError):
+        for leaf in leaves:
+            if isinstance(leaf, kind):
+                if isinstance(leaf, StartupError):
+                    return leaf
+                if isinstance(leaf, KvdError):
+                    return StartupError(leaf.message or str(leaf))
+                return StartupError(f"{leaf.strerror or leaf}" + (f": {leaf.filename}" if leaf.filename else ""))
+    first = leaves[0] if leaves else exc
+    return StartupError(
+        f"internal error: {type(first).__name__}: {first} (the log line has the traceback)", internal=True
+    )

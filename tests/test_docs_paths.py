@@ -1,0 +1,38 @@
+"""Every path a completion can name is documented where a user looks for it: the README's
+table, docs/events.md's ``transfer.done`` line and the ``Completion`` message itself."""
+
+from __future__ import annotations
+
+import inspect
+import re
+from pathlib import Path
+
+from protocol import messages as m
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def engine_paths() -> set[str]:
+    """The path names kvd/transfer/ assigns (``path = "..."``, ``path="..."``)."""
+    found: set[str] = set()
+    for source in (ROOT / "kvd" / "transfer").rglob("*.py"):
+        found |= set(re.findall(r'\bpath\s*=\s*"([a-z-]+)"', source.read_text()))
+    return found
+
+
+def test_engine_paths_are_the_known_ones() -> None:
+    assert engine_paths() == {"local", "mapped", "direct", "bounce", "fragment-fallback"}
+
+
+def test_every_path_is_documented() -> None:
+    paths = engine_paths()
+    readme = (ROOT / "README.md").read_text()
+    assert {p for p in paths if f"| `{p}` |" not in readme} == set(), "README's path table"
+    events = (ROOT / "docs" / "events.md").read_text()
+    path_row = next(line for line in events.splitlines() if line.startswith("| `path` |"))
+    assert {p for p in paths if f"`{p}`" not in path_row} == set(), "docs/events.md, transfer.done path"
+    completion = inspect.getsource(m.Completion)
+    comment = next(line for line in completion.splitlines() if line.strip().startswith("path: str"))
+    assert {p for p in paths if f'"{p}"' not in comment} == set(), "protocol.messages.Completion.path"
+    guide = (ROOT / "docs" / "getting-started.md").read_text()
+    assert {p for p in paths if f"`{p}`" not in guide} == set(), "docs/getting-started.md"

@@ -1,0 +1,120 @@
+"""docs/getting-started.md, run exactly as written: its files are written verbatim, its shell
+blocks run in order in one ``bash`` (``set -euo pipefail``) in an empty directory, with this
+Python's ``bin`` first on PATH (the venv of the README's quick start).
+
+The doc marks what the test takes: ``<!-- getting-started: file NAME -->`` before a code block
+that is the file NAME, ``<!-- getting-started: run -->`` before a shell block to run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgspec
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+DOC = ROOT / "docs" / "getting-started.md"
+_BLOCK = re.compile(r"<!-- getting-started: (run|file [\w.]+) -->\n```\w*\n(.*?)```", re.S)
+
+
+def extract(doc: str) -> tuple[dict[str, str], str]:
+    """The doc's files (name -> text) and its shell blocks joined in order."""
+    files: dict[str, str] = {}
+    script: list[str] = []
+    for kind, body in _BLOCK.findall(doc):
+        if kind == "run":
+            script.append(body)
+        else:
+            name = kind.split()[1]
+            assert name not in files, f"{name} appears twice"
+            files[name] = body
+    return files, "".join(script)
+
+
+def test_markers_are_found() -> None:
+    doc = DOC.read_text()
+    files, script = extract(doc)
+    assert len(_BLOCK.findall(doc)) == doc.count("<!-- getting-started:")  # every marker opens a block
+    assert set(files) == {"gen.toml", "ctx.toml", "common.py", "ctx_executor.py", "gen_rank.py"}
+    assert "kvd serve --config gen.toml" in script and "python ctx_executor.py" in script
+
+
+@pytest.fixture
+def workdir() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="kvdgs-", dir="/tmp"))  # short: AF_UNIX paths
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def test_getting_started_runs_as_written(workdir: Path) -> None:
+    files, script = extract(DOC.read_text())
+    for name, text in files.items():
+        (workdir / name).write_text(text)
+    (workdir / "run.sh").write_text("set -euo pipefail\n" + script)
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    env = {k: v for k, v in env.items() if not k.startswith("KVD_")}
+    proc = subprocess.Popen(["bash", "run.sh"], cwd=workdir, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None or _group_alive(proc.pid):
+            os.killpg(proc.pid, signal.SIGKILL)  # whatever the script left: daemons, executors
+            proc.wait()
+    logs = {name: (workdir / f"{name}.log").read_text() for name in ("ctx", "gen") if (workdir / f"{name}.log").exists()}
+    assert proc.returncode == 0, out + "".join(f"\n--- {n}.log\n{t[-3000:]}" for n, t in logs.items())
+    lines = out.splitlines()
+    assert "all gen ranks byte-exact" in lines
+    assert any(re.fullmatch(r"ctx: sent 917504 bytes to gen over path bounce in [\d.]+ s", line) for line in lines), out
+    for rank, heads in ((0, "0-3"), (1, "4-7")):
+        assert f"gen rank {rank}: 917504 bytes over path bounce, heads {heads}: byte-exact" in lines, out
+    row = next(line for line in lines if line.startswith("req-1"))
+    assert row.split()[:5] == ["req-1", "ctx", "gen", "done", "bounce"]
+    # one transfer.done per side; both daemons drained and exited, sockets gone
+    for name, role in (("ctx", "ctx"), ("gen", "gen")):
+        events = [json.loads(line) for line in logs[name].splitlines() if line.startswith("{")]
+        done = [e for e in events if e["event"] == "transfer.done"]
+        assert [(e["request_id"], e["role"], e["bytes"]) for e in done] == [("req-1", role, 917504)]
+        assert events[-1]["event"] == "daemon.stopped"
+        assert not (workdir / f"{name}.sock").exists()
+
+
+def test_what_the_doc_says_about_shapes_is_true(workdir: Path) -> None:
+    """The pool shapes the scripts' comments and the semantics section state."""
+    files, _ = extract(DOC.read_text())
+    (workdir / "common.py").write_text(files["common.py"])
+    sys.path.insert(0, str(workdir))
+    try:
+        import common  # type: ignore[import-not-found]
+
+        ctx = msgspec.structs.replace(common.CTX, num_blocks=64)  # the pools' num_blocks
+        gen = msgspec.structs.replace(common.GEN, num_blocks=64)
+        assert ctx.pool_shape(0) == (64, 4, 2, 8, 16, 64)
+        assert gen.pool_shape(0) == gen.pool_shape(1) == (4, 2, 64, 4, 16, 64)
+        assert gen.head_range(0) == (0, 4) and gen.head_range(1) == (4, 8)
+        assert common.blocks_needed(common.TOKENS) == 7 and ctx.block_bytes(0) * 7 == 917504
+        doc = DOC.read_text()
+        assert "`[64, 4, 2, 8, 16, 64]`" in doc and "`[4, 2, 64, 4, 16, 64]`" in doc
+    finally:
+        sys.path.remove(str(workdir))
+        sys.modules.pop("common", None)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True

@@ -1,0 +1,222 @@
+"""Every startup failure of ``kvd serve`` is one line on stderr, one structured log line and a
+non-zero exit status — never a traceback. Each case runs a real ``kvd serve`` subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvd.demo.launch import write_config
+from kvd.startup import EX_CONFIG, StartupError, explain
+from protocol.errors import BadRequest
+from tests.conftest import host_pool
+
+
+def base_config(tmp: Path, **extra: Any) -> dict[str, Any]:
+    cfg: dict[str, Any] = {
+        "node": "n",
+        "socket_path": str(tmp / "kvd.sock"),
+        "log_format": "json",
+        "pools": [host_pool(num_blocks=4, num_layers=1)],
+        "transfer": {"bounce_size_mb": 4, "chunk_mb": 2},
+    }
+    cfg.update(extra)
+    return cfg
+
+
+def secret(tmp: Path, mode: int = 0o600) -> str:
+    path = tmp / "peer.secret"
+    path.write_text("0123456789abcdef0123456789abcdef\n")
+    os.chmod(path, mode)
+    return str(path)
+
+
+def serve(config_path: str | None, *, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """``kvd serve --config PATH``: expected to fail before it is ready (bounded by a timeout)."""
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("KVD_")}
+    full_env.update({"UCX_NET_DEVICES": "lo", **(env or {})})
+    cmd = [sys.executable, "-m", "kvd", "serve"] + (["--config", config_path] if config_path else [])
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=full_env, stdin=subprocess.DEVNULL)
+
+
+def check_failure(run: subprocess.CompletedProcess[str], *, exit_code: int, setting: str | None,
+                  contains: list[str]) -> str:
+    """One ``kvd: error:`` line naming what and what to do; exactly one ``daemon.startup_failed``
+    log line with the same reason; the expected exit status; no traceback anywhere."""
+    assert run.returncode == exit_code, (run.returncode, run.stdout, run.stderr)
+    lines = run.stderr.splitlines()
+    assert len(lines) == 1, run.stderr
+    line = lines[0]
+    assert line.startswith("kvd: error: "), line
+    for text in contains:
+        assert text in line, (text, line)
+    assert "Traceback" not in run.stdout + run.stderr
+    events = [json.loads(raw) for raw in run.stdout.splitlines()]
+    failed = [e for e in events if e["event"] == "daemon.startup_failed"]
+    assert len(failed) == 1, run.stdout
+    assert failed[0]["reason"] == line.removeprefix("kvd: error: ")
+    assert failed[0]["setting"] == setting
+    assert failed[0]["level"] == "error" and failed[0]["code"] == "startup_failed"
+    assert "daemon.ready" not in {e["event"] for e in events}
+    return line
+
+
+# --- the peer secret -----------------------------------------------------------------------------
+
+
+def test_peer_secret_missing(short_tmp: Path) -> None:
+    missing = str(short_tmp / "nope.secret")
+    run = serve(write_config(short_tmp, "kvd", base_config(short_tmp, peer_secret_file=missing)))
+    check_failure(run, exit_code=EX_CONFIG, setting="peer_secret_file",
+                  contains=[f"peer_secret_file: peer secret file {missing} does not exist",
+                            f"openssl rand -hex 32 > {missing} && chmod 600 {missing}"])
+    # nothing was allocated or bound: the configuration alone decided
+    assert not (short_tmp / "kvd.sock").exists()
+    assert '"pool.created"' not in run.stdout
+
+
+def test_peer_secret_world_readable(short_tmp: Path) -> None:
+    path = secret(short_tmp, mode=0o644)
+    run = serve(write_config(short_tmp, "kvd", base_config(short_tmp, peer_secret_file=path)))
+    check_failure(run, exit_code=EX_CONFIG, setting="peer_secret_file",
+                  contains=[f"peer secret file {path} has mode 0644", f"chmod 600 {path}"])
+
+
+def test_peers_without_a_secret(short_tmp: Path) -> None:
+    cfg = base_config(short_tmp, peers=[{"name": "gen", "host": "127.0.0.1", "port": 1}])
+    run = serve(write_config(short_tmp, "kvd", cfg))
+    check_failure(run, exit_code=EX_CONFIG, setting="peer_secret_file",
+                  contains=["peer_secret_file: not set, but [[peers]] lists gen", "set peer_secret_file"])
+
+
+# --- ports and the socket ------------------------------------------------------------------------
+
+
+@pytest.fixture
+def busy_port() -> Any:
+    """A TCP port on 127.0.0.1 that another process (this one) listens on."""
+    holder = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    holder.bind(("127.0.0.1", 0))
+    holder.listen(1)
+    try:
+        yield holder.getsockname()[1]
+    finally:
+        holder.close()
+
+
+def test_peer_port_busy(short_tmp: Path, busy_port: int) -> None:
+    cfg = base_config(short_tmp, peer_secret_file=secret(short_tmp), peer_port=busy_port)
+    run = serve(write_config(short_tmp, "kvd", cfg))
+    check_failure(run, exit_code=1, setting="peer_port",
+                  contains=[f"peer_port: peer-link port {busy_port} on 127.0.0.1 is already in use",
+                            "set another peer_port (KVD_PEER_PORT)"])
+    assert not (short_tmp / "kvd.sock").exists()  # the socket taken before it was released
+
+
+def test_peer_port_busy_from_the_environment(short_tmp: Path, busy_port: int) -> None:
+    cfg = base_config(short_tmp, peer_secret_file=secret(short_tmp))
+    run = serve(write_config(short_tmp, "kvd", cfg), env={"KVD_PEER_PORT": str(busy_port)})
+    check_failure(run, exit_code=1, setting="peer_port", contains=[f"peer-link port {busy_port}", "KVD_PEER_PORT"])
+
+
+def test_metrics_port_busy(short_tmp: Path, busy_port: int) -> None:
+    run = serve(write_config(short_tmp, "kvd", base_config(short_tmp, metrics_port=busy_port)))
+    check_failure(run, exit_code=1, setting="metrics_port",
+                  contains=[f"metrics_port: metrics port {busy_port} on 127.0.0.1 is already in use",
+                            "set another metrics_port (KVD_METRICS_PORT; 0 = off)"])
+
+
+def test_socket_path_busy(short_tmp: Path) -> None:
+    path = short_tmp / "kvd.sock"
+    live = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    live.bind(str(path))
+    live.listen(1)
+    try:
+        run = serve(write_config(short_tmp, "kvd", base_config(short_tmp)))
+        check_failure(run, exit_code=1, setting="socket_path",
+                      contains=[f"socket_path: another kvd is already serving on {path}",
+                                "another socket_path (KVD_SOCKET)"])
+        assert path.is_socket()  # the live socket is left alone
+        assert '"pool.created"' not in run.stdout  # refused before any memory was allocated
+    finally:
+        live.close()
+
+
+def test_socket_directory_missing(short_tmp: Path) -> None:
+    cfg = base_config(short_tmp, socket_path=str(short_tmp / "no-such-dir" / "kvd.sock"))
+    run = serve(write_config(short_tmp, "kvd", cfg))
+    check_failure(run, exit_code=EX_CONFIG, setting="socket_path",
+                  contains=[f"socket directory {short_tmp / 'no-such-dir'} does not exist", "KVD_SOCKET"])
+
+
+# --- the configuration ---------------------------------------------------------------------------
+
+
+def test_config_file_missing(short_tmp: Path) -> None:
+    path = str(short_tmp / "absent.toml")
+    run = serve(path, env={"KVD_LOG_FORMAT": "json"})
+    check_failure(run, exit_code=EX_CONFIG, setting=None,
+                  contains=[f"cannot read configuration {path}: No such file or directory",
+                            "systemd/kvd.toml shows and explains every key"])
+
+
+def test_config_not_toml(short_tmp: Path) -> None:
+    path = short_tmp / "broken.toml"
+    path.write_text('node = "a"\npools = [\n')
+    run = serve(str(path), env={"KVD_LOG_FORMAT": "json"})
+    check_failure(run, exit_code=EX_CONFIG, setting=None, contains=[f"configuration {path} is not valid TOML"])
+
+
+def test_config_wrong_type_names_the_setting(short_tmp: Path) -> None:
+    cfg = base_config(short_tmp)
+    cfg["pools"] = [host_pool(num_blocks="many")]
+    run = serve(write_config(short_tmp, "kvd", cfg), env={"KVD_LOG_FORMAT": "json"})
+    check_failure(run, exit_code=EX_CONFIG, setting="pools[0].num_blocks",
+                  contains=[f"configuration {short_tmp / 'kvd.toml'}: invalid configuration", "pools[0].num_blocks"])
+
+
+def test_config_unknown_key(short_tmp: Path) -> None:
+    run = serve(write_config(short_tmp, "kvd", base_config(short_tmp, peer_prot=5)), env={"KVD_LOG_FORMAT": "json"})
+    check_failure(run, exit_code=EX_CONFIG, setting="peer_prot", contains=["unknown field `peer_prot`"])
+
+
+def test_config_bad_limit(short_tmp: Path) -> None:
+    cfg = base_config(short_tmp, limits={"max_sessions": 0})
+    run = serve(write_config(short_tmp, "kvd", cfg), env={"KVD_LOG_FORMAT": "json"})
+    check_failure(run, exit_code=EX_CONFIG, setting=None,
+                  contains=["[limits] max_sessions must be at least 1, got 0"])
+
+
+def test_config_bad_environment_value(short_tmp: Path) -> None:
+    run = serve(write_config(short_tmp, "kvd", base_config(short_tmp)),
+                env={"KVD_METRICS_PORT": "ninety", "KVD_LOG_FORMAT": "json"})
+    check_failure(run, exit_code=EX_CONFIG, setting=None,
+                  contains=["environment KVD_METRICS_PORT='ninety' is not a valid int"])
+
+
+# --- explain(): what is reported when several errors arrive at once -----------------------------
+
+
+def test_explain_prefers_the_startup_error_inside_a_group() -> None:
+    inner = StartupError("peer_port: busy", setting="peer_port")
+    group = BaseExceptionGroup("nursery", [ValueError("noise"), ExceptionGroup("inner", [inner])])
+    assert explain(group) is inner
+    assert explain(ExceptionGroup("g", [BadRequest("pool 'x' is bad")])).message == "pool 'x' is bad"
+    oops = explain(ExceptionGroup("g", [ZeroDivisionError("boom")]))
+    assert oops.internal and oops.message.startswith("internal error: ZeroDivisionError: boom")
+    assert StartupError("two\nlines").message == "two; lines"
+
+
+def test_pool_that_cannot_be_created(short_tmp: Path) -> None:
+    """GPU 99 exists nowhere (and a CPU machine has no CUDA driver at all)."""
+    cfg = base_config(short_tmp, pools=[host_pool("gpu99", memory="device", device=99, num_blocks=4)])
+    run = serve(write_config(short_tmp, "kvd", cfg))
+    check_failure(run, exit_code=1, setting=None, contains=["pool 'gpu99': cannot create device memory on GPU 99"])
+    assert not (short_tmp / "kvd.sock").exists()  # the socket bound first is released again
