@@ -11,7 +11,7 @@ the daemons, hand out receive credits and report the outcome:
                                                                         beyond those granted up front)
     NIXL WRITE staging slot → remote slot, notification (request, seq, slot)
                                                scatter slot → blocks, slot freed, next grant
-    XferPath(mapped | fragment-fallback): no receive slots needed (same-node mapped pools, or
+    XferPath(mapped | fragment): no receive slots needed (same-node mapped pools, or
     no credit in time: per-fragment NIXL writes straight into the blocks)
     XferDone(writes, bytes)              ──▶
                                          ◀──   XferComplete(bytes)
@@ -104,8 +104,9 @@ class XferGrant(XferMessage, frozen=True, tag="xfer_grant"):
 
 
 class XferPath(XferMessage, frozen=True, tag="xfer_path"):
-    """The sender takes a path without receive slots: "mapped" (it copies straight into the
-    receiver's pools, mapped on the same node) or "fragment-fallback" (no credit in time)."""
+    """The path the sender takes ("mapped", "direct", "bounce", or "fragment" when no receive
+    slot came in time after "bounce"), sent before its first write; with the ctx side's layout
+    and blocks when gen announced its destination (it got no offer to plan with)."""
 
     path: Name
     reason: Text = ""
