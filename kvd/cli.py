@@ -1,4 +1,4 @@
-"""``kvd`` command line: ``kvd serve``, ``kvd demo``, ``kvd bench {ipc,regroup,transfer}``."""
+"""``kvd`` command line: ``kvd serve``, ``kvd demo [--model]``, ``kvd bench {ipc,regroup,transfer}``."""
 
 from __future__ import annotations
 
@@ -75,7 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p_serve = sub.add_parser("serve", help="run the daemon")
     p_serve.add_argument("--config", "-c", default=os.environ.get("KVD_CONFIG"), help="TOML configuration file")
-    sub.add_parser("demo", help="two daemons, a regrouped TP1 -> TP4 transfer over NIXL, verified", add_help=False)
+    sub.add_parser("demo", add_help=False,
+                   help="two daemons, a regrouped TP1 -> TP4 transfer over NIXL, verified; "
+                        "--model: a small transformer's prefill -> decode through kvd, token-identical")
     benches = {
         "ipc": "executor <-> daemon round trips over the Unix socket",
         "regroup": "the regroup copies (gather/scatter, box copies) [--device cuda]",
@@ -101,6 +103,10 @@ def main(argv: list[str] | None = None) -> int:
                 parser.error(f"unrecognized arguments: {' '.join(rest)}")
             return _serve(args)
         if args.command == "demo":
+            if "--model" in rest:
+                from kvd.demo.model.cli import main as model_main
+
+                return model_main([a for a in rest if a != "--model"])
             from kvd.demo.pair import main as demo_main
 
             return demo_main(rest)

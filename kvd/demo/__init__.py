@@ -1,1 +1,3 @@
-"""The demo (`kvd demo`) and the helpers it, the benchmarks and the tests use to start daemons."""
+"""The demos (`kvd demo`: a verified regrouped transfer; `kvd demo --model`: a small transformer's
+prefill -> decode through kvd, in :mod:`kvd.demo.model`) and the helpers they, the benchmarks and
+the tests use to start daemons."""

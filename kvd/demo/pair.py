@@ -187,7 +187,11 @@ def print_summary(results: dict[str, Completion], wall: float, ok: bool) -> None
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kvd demo", description=__doc__.splitlines()[0] if __doc__ else None)
+    parser = argparse.ArgumentParser(
+        prog="kvd demo", description=__doc__.splitlines()[0] if __doc__ else None,
+        epilog="kvd demo --model: a small transformer served through kvd, ctx TP1 prefill -> gen TP2/TP4 "
+               "decode, compared with one process (kvd demo --model --help)",
+    )
     parser.add_argument("--blocks", type=int, default=32, help="request size in blocks (2.25 MiB each)")
     parser.add_argument("--bounce-mb", type=int, default=32)
     parser.add_argument("--chunk-mb", type=int, default=8)
