@@ -375,8 +375,10 @@ def test_sigterm_lets_an_in_flight_transfer_finish(daemon_factory: Factory, shor
     from tests.transfer_harness import start_pair
 
     # the gen side never grants bounce credit: the transfer stays in flight for bounce_wait_s,
-    # then completes by per-fragment writes; SIGTERM the ctx daemon in between.
-    pair = start_pair(daemon_factory, short_tmp, LAYOUT, LAYOUT, transfer={"bounce_wait_s": 4.0},
+    # then completes by per-fragment writes; SIGTERM the ctx daemon in between. (gen has half
+    # the tokens per block: a regroup, so the bytes need the bounce path, not direct writes)
+    gen_layout = KVLayout(4, 8, 64, 16, "bfloat16")
+    pair = start_pair(daemon_factory, short_tmp, LAYOUT, gen_layout, transfer={"bounce_wait_s": 4.0},
                       gen_extra={"transfer": {"bounce_size_mb": 4, "chunk_mb": 1, "grant_credits": False}},
                       ctx_extra={"drain_timeout_s": 30.0})
     with Client(pair.gen.socket_path, client="gen", timeout=IO_TIMEOUT) as gen, \
@@ -384,9 +386,9 @@ def test_sigterm_lets_an_in_flight_transfer_finish(daemon_factory: Factory, shor
             Client(pair.ctx.socket_path, client="ctx-other", timeout=IO_TIMEOUT) as other, \
             ThreadPoolExecutor(2) as pool:
         wait_until(lambda: other.stats().peers_connected == 1, "the peer link")
-        g_ids = gen.alloc("gen0", 4)
+        g_ids = gen.alloc("gen0", 8)
         c_ids = ctx.alloc("ctx0", 4)
-        gen.expect("drained", "gen0", LAYOUT, 0, g_ids, deadline_s=60)
+        gen.expect("drained", "gen0", gen_layout, 0, g_ids, deadline_s=60)
         ctx.publish("drained", "ctx0", LAYOUT, 0, c_ids, peer="gen", deadline_s=60)
         ctx_done = pool.submit(ctx.wait, "drained", 30)
         gen_done = pool.submit(gen.wait, "drained", 30)
