@@ -1,7 +1,7 @@
 """End-to-end latency of one request through two daemons, per request size and registration order.
 
 ctx TP1 -> gen TP4, GPT-OSS-120B KV geometry (2.25 MiB per block), host pools, two daemons on
-loopback. For each size it runs the request ``repeat`` times with the gen executors registering
+loopback (or GPU pools: :func:`run`'s ``memory``/``device``). For each size it runs the request ``repeat`` times with the gen executors registering
 first (naming their ctx peer: the destination is announced before ``publish``) and with the ctx
 executor publishing first (offer/accept), and reports:
 
@@ -92,11 +92,17 @@ def _done_lines(d: DaemonProcess) -> dict[str, dict[str, Any]]:
     return out
 
 
-def run(workdir: Path, sizes: list[int], repeat: int, *, mapped: bool) -> list[dict[str, Any]]:
-    """Measure every size and order on one pair of daemons; one row per (size, order)."""
+def run(workdir: Path, sizes: list[int], repeat: int, *, mapped: bool, memory: str = "host", device: int = -1,
+        gen_device: int | None = None) -> list[dict[str, Any]]:
+    """Measure every size and order on one pair of daemons; one row per (size, order).
+
+    Host pools by default; ``memory="auto", device=0, gen_device=1`` puts the ctx pool on GPU 0
+    and the four gen pools on GPU 1 (the GPU bench's placement).
+    """
     sub = workdir / ("lat-mapped" if mapped else "lat-nixl")
     sub.mkdir()
     ctx_d, gen_d = start_pair(sub, gen_tp=GEN_TP, blocks=max(sizes), bounce_mb=64, chunk_mb=16,
+                              memory=memory, device=device, gen_device=gen_device,
                               extra_transfer={"mapped": mapped})
     rows: list[dict[str, Any]] = []
     try:
