@@ -57,10 +57,11 @@ def expect_request(
     block_ids: Sequence[int],
     ranks: list[int] | None,
     deadline_s: float | None,
+    peer: str = "",
 ) -> m.Expect:
     """The ``Expect`` both clients send (gen side registration)."""
     return m.Expect(id=id, request_id=request_id, pool=pool, layout=layout, rank=rank,
-                    block_ids=list(block_ids), ranks=ranks, deadline_s=deadline_s)
+                    block_ids=list(block_ids), ranks=ranks, deadline_s=deadline_s, peer=peer)
 
 
 def publish_request(

@@ -167,8 +167,11 @@ class Client:
         *,
         ranks: list[int] | None = None,
         deadline_s: float | None = None,
+        peer: str = "",
     ) -> None:
-        msg = expect_request(self._id(), request_id, pool, layout, rank, block_ids, ranks, deadline_s)
+        """gen side: this rank will receive ``request_id`` into ``block_ids`` (``peer``: the ctx
+        daemon's node, when known, for a transfer without a round trip)."""
+        msg = expect_request(self._id(), request_id, pool, layout, rank, block_ids, ranks, deadline_s, peer)
         self._call(msg, m.Registered)
 
     def publish(
@@ -190,5 +193,6 @@ class Client:
         reply = self._call(m.Wait(id=self._id(), request_id=request_id, timeout_s=timeout_s), m.Completion)
         return completion_or_raise(reply)
 
-    def cancel(self, request_id: str) -> None:
-        self._call(m.Cancel(id=self._id(), request_id=request_id), m.Ok)
+    def cancel(self, request_id: str, *, force: bool = False) -> None:
+        """Cancel a request this session registered (``force``: an operator cancelling any)."""
+        self._call(m.Cancel(id=self._id(), request_id=request_id, force=force), m.Ok)

@@ -187,9 +187,14 @@ class AsyncClient:
         *,
         ranks: list[int] | None = None,
         deadline_s: float | None = None,
+        peer: str = "",
     ) -> None:
-        """gen side: this rank will receive ``request_id`` into ``block_ids``."""
-        msg = expect_request(self._id(), request_id, pool, layout, rank, block_ids, ranks, deadline_s)
+        """gen side: this rank will receive ``request_id`` into ``block_ids``.
+
+        ``peer`` names the ctx daemon's node when known: once every gen rank registered, the
+        destination goes to it unasked and the ctx side's publish moves bytes at once.
+        """
+        msg = expect_request(self._id(), request_id, pool, layout, rank, block_ids, ranks, deadline_s, peer)
         await self._call(msg, m.Registered)
 
     async def publish(
@@ -209,12 +214,16 @@ class AsyncClient:
         await self._call(msg, m.Registered)
 
     async def wait(self, request_id: str, timeout_s: float | None = None) -> m.Completion:
-        """Wait for the transfer; returns its Completion, raises its error if it failed."""
+        """Wait for the transfer; returns its Completion, raises its error if it failed.
+
+        ``timeout_s`` passing raises :class:`~protocol.errors.WaitTimeout`; the transfer goes on.
+        """
         reply = await self._call(m.Wait(id=self._id(), request_id=request_id, timeout_s=timeout_s), m.Completion)
         return completion_or_raise(reply)
 
-    async def cancel(self, request_id: str) -> None:
-        await self._call(m.Cancel(id=self._id(), request_id=request_id), m.Ok)
+    async def cancel(self, request_id: str, *, force: bool = False) -> None:
+        """Cancel a request this session registered (``force``: an operator cancelling any)."""
+        await self._call(m.Cancel(id=self._id(), request_id=request_id, force=force), m.Ok)
 
 
 @asynccontextmanager

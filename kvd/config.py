@@ -97,6 +97,7 @@ class TransferConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
     gpu_chunk_mb: int = 128  # chunk of the GPU-to-GPU mapped pipeline (fewer, larger: host-bound)
     deadline_s: float = 60.0  # default per-transfer deadline
     bounce_wait_s: float = 5.0  # how long to wait for credits before per-fragment fallback
+    descs_per_write: int = 8192  # NIXL descriptors per write on the direct/fragment paths
     nixl_progress_thread: bool = False  # off is faster on small hosts (measured on 2 cores)
     heartbeat_interval_s: float = 2.0  # peer-link heartbeat period
     heartbeat_timeout_s: float = 10.0  # silence after which a peer is declared gone

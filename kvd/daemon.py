@@ -149,7 +149,7 @@ class Daemon:
         returned = sum(pool.blocks.release_session(session.id) for pool in self.pools.values())
         self.sessions.pop(session.id, None)
         self.metrics.set_sessions(len(self.sessions))
-        self._update_pool_metrics()
+        self.update_pool_metrics()
         return returned
 
     def blocks_leased_by(self, session_id: int) -> int:
@@ -202,7 +202,7 @@ class Daemon:
             if self.engine is not None:
                 self.engine.check_not_in_flight(session, msg.pool, msg.block_ids)
             pool.blocks.free(session.id, msg.block_ids)
-            self._update_pool_metrics()
+            self.update_pool_metrics()
             return m.Freed(id=msg.id, pool=msg.pool, count=len(msg.block_ids)), []
         if isinstance(msg, m.Expect | m.Publish):
             if len(session.requests) >= self.config.limits.max_inflight_per_session:
@@ -216,7 +216,7 @@ class Daemon:
             self.counters.requests_registered += 1
             return m.Registered(id=msg.id, request_id=msg.request_id), []
         if isinstance(msg, m.Cancel):
-            await self._engine().cancel(msg.request_id, reason="cancelled by client")
+            await self._engine().cancel(session, msg)
             return m.Ok(id=msg.id), []
         raise BadRequest(f"unexpected message {type(msg).__name__}")
 
@@ -262,7 +262,7 @@ class Daemon:
                 f"max_blocks_per_session={limit}: session holds {held}, asked for {msg.count} more"
             )
         ids = pool.blocks.alloc(session.id, msg.count)
-        self._update_pool_metrics()
+        self.update_pool_metrics()
         return m.Allocated(id=msg.id, pool=msg.pool, block_ids=ids)
 
     def transfer_finished(self, side: Side) -> None:
@@ -277,7 +277,7 @@ class Daemon:
     def pool_infos(self) -> list[m.PoolInfo]:
         return [p.info(sessions=p.blocks.sessions) for p in self.pools.values()]
 
-    def _update_pool_metrics(self) -> None:
+    def update_pool_metrics(self) -> None:
         for name, pool in self.pools.items():
             self.metrics.set_pool(name, pool.blocks.used, pool.blocks.free_count)
 

@@ -203,7 +203,7 @@ async def serve(
             engine = Engine(daemon)
             daemon.engine = engine
             await root.start(engine.run)
-            daemon._update_pool_metrics()  # the gauges start at the pools' real size
+            daemon.update_pool_metrics()  # the gauges start at the pools' real size
             if config.metrics_port:
                 root.start_soon(_sample_gauges, daemon)
             # Sessions run in the root nursery, not under the accept loop: a drain keeps serving

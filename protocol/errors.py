@@ -177,6 +177,30 @@ class PeerUnavailable(TransferError):
     code = "peer_unavailable"
 
 
+class UnknownPeer(PeerUnavailable):
+    """A request names a peer daemon that is neither configured nor connected."""
+
+    code = "unknown_peer"
+
+
+class WaitTimeout(KvdError):
+    """``wait(timeout_s)`` expired; the transfer itself goes on (wait again, or cancel it)."""
+
+    code = "wait_timeout"
+
+
+class RemoteProtocolError(ProtocolError):
+    """The peer daemon broke the transfer protocol (a message it may not send in its state)."""
+
+    code = "remote_protocol_error"
+
+
+class LocalProtocolError(InternalError):
+    """This daemon fed its own transfer state machine an event its state does not allow (a bug)."""
+
+    code = "local_protocol_error"
+
+
 class NixlError(TransferError):
     """NIXL/UCX reported an error; the message carries its text."""
 

@@ -157,6 +157,9 @@ class Expect(Message, frozen=True, tag="expect"):
     block_ids: BlockIds
     ranks: OptionalRanks = None  # participating ranks; None = every rank of the layout
     deadline_s: DeadlineS | None = None
+    # the ctx daemon's node: once every gen rank registered, the destination goes to it
+    # unasked, so the ctx side's publish moves bytes without a round trip ("" = wait for an offer)
+    peer: Name = ""
 
 
 class Publish(Message, frozen=True, tag="publish"):
@@ -180,9 +183,12 @@ class Wait(Message, frozen=True, tag="wait"):
 
 
 class Cancel(Message, frozen=True, tag="cancel"):
-    """Cancel a registered request/transfer by id."""
+    """Cancel a registered request/transfer by id (only the session that registered it may,
+    unless ``force``: an operator — root, the daemon's uid, ``[access] operator_gids`` — cancelling
+    someone else's)."""
 
     request_id: RequestId
+    force: bool = False
 
 
 class Ping(Message, frozen=True, tag="ping"):
@@ -288,7 +294,7 @@ class Completion(Message, frozen=True, tag="completion"):
     ok: bool
     bytes: int = 0
     duration_s: float = 0.0
-    path: str = ""  # "local" | "mapped" | "direct" | "bounce" | "fragment-fallback"
+    path: str = ""  # "local" | "mapped" | "direct" | "bounce" | "fragment"
     chunks: int = 0
     fallback: str = ""  # "" or the fallback kind taken
     peer: str = ""

@@ -5,16 +5,30 @@ the daemons, hand out receive credits and report the outcome:
 
     ctx daemon                                 gen daemon
     XferOffer(layout, blocks, deadline)  ──▶   (waits until its executors' Expect is complete)
-                                         ◀──   XferAccept(layout, blocks, pool regions)
+                                         ◀──   XferAccept(layout, blocks, pool regions, slots)
     -- both plan the same regroup; path = direct (equal layouts) or bounce --
-                                         ◀──   XferGrant(slot)        (one per free receive slot)
+                                         ◀──   XferGrant(slot)        (one per free receive slot,
+                                                                        beyond those granted up front)
     NIXL WRITE staging slot → remote slot, notification (request, seq, slot)
                                                scatter slot → blocks, slot freed, next grant
-    XferPath(mapped | fragment-fallback): no receive slots needed (same-node mapped pools, or
+    XferPath(mapped | fragment): no receive slots needed (same-node mapped pools, or
     no credit in time: per-fragment NIXL writes straight into the blocks)
     XferDone(writes, bytes)              ──▶
                                          ◀──   XferComplete(bytes)
     XferFail(code, message) either way, at any point.
+
+When the gen executors name their ctx peer (``expect(..., peer=...)``) the gen daemon sends
+its destination unasked as soon as every gen rank registered, with receive slots granted up
+front; a ``publish`` that finds it moves bytes with zero peer round trips::
+
+                                         ◀──   XferAnnounce(layout, blocks, pools, slots, deadline)
+    XferPath(path, ctx layout, ctx blocks) ──▶   (gen plans the same regroup for its scatters)
+    NIXL writes / mapped copies
+    XferDone(writes, bytes)              ──▶   gen done once it saw ``writes`` notifications
+
+A side that fails sends one ``XferFail``; ctx sends it only once none of its writes can land
+(``writes_stopped``), and gen reports failure (and frees its blocks) only after that. The
+per-request rules live in :mod:`protocol.transfer_fsm`.
 """
 
 from __future__ import annotations
@@ -40,6 +54,8 @@ from protocol.limits import (
 #: Rank -> that rank's block ids (at most MAX_WORLD_SIZE ranks).
 RankBlocks = Annotated[dict[Rank, BlockIds], msgspec.Meta(max_length=MAX_WORLD_SIZE)]
 Slot = Annotated[int, msgspec.Meta(ge=0, lt=MAX_SLOTS)]
+#: Receive slots granted with a destination (a few).
+Slots = Annotated[list[Slot], msgspec.Meta(max_length=64)]
 
 
 class RemoteRegion(msgspec.Struct, frozen=True, kw_only=True):
@@ -69,6 +85,18 @@ class XferAccept(XferMessage, frozen=True, tag="xfer_accept"):
     pools: Annotated[dict[Rank, RemoteRegion], msgspec.Meta(max_length=MAX_WORLD_SIZE)]
     # gen rank -> pool name (for the same-node mapped path)
     pool_names: Annotated[dict[Rank, Name], msgspec.Meta(max_length=MAX_WORLD_SIZE)] = {}
+    slots: Slots = []  # receive slots granted up front (bounce path)
+
+
+class XferAnnounce(XferMessage, frozen=True, tag="xfer_announce"):
+    """gen's destination, sent unasked once every gen rank registered with ``peer=``."""
+
+    layout: KVLayout
+    blocks: RankBlocks
+    pools: Annotated[dict[Rank, RemoteRegion], msgspec.Meta(max_length=MAX_WORLD_SIZE)]
+    pool_names: Annotated[dict[Rank, Name], msgspec.Meta(max_length=MAX_WORLD_SIZE)] = {}
+    slots: Slots = []  # receive slots granted up front (bounce path)
+    deadline_s: TimeoutS = 0.0  # seconds left on the gen side when sent (0 = ctx's own deadline)
 
 
 class XferGrant(XferMessage, frozen=True, tag="xfer_grant"):
@@ -76,11 +104,15 @@ class XferGrant(XferMessage, frozen=True, tag="xfer_grant"):
 
 
 class XferPath(XferMessage, frozen=True, tag="xfer_path"):
-    """The sender takes a path without receive slots: "mapped" (it copies straight into the
-    receiver's pools, mapped on the same node) or "fragment-fallback" (no credit in time)."""
+    """The path the sender takes ("mapped", "direct", "bounce", or "fragment" when no receive
+    slot came in time after "bounce"), sent before its first write; with the ctx side's layout
+    and blocks when gen announced its destination (it got no offer to plan with)."""
 
     path: Name
     reason: Text = ""
+    # the ctx side's layout and blocks, when gen announced its destination and got no offer
+    layout: KVLayout | None = None
+    blocks: RankBlocks = {}
 
 
 class XferDone(XferMessage, frozen=True, tag="xfer_done"):
@@ -96,9 +128,11 @@ class XferComplete(XferMessage, frozen=True, tag="xfer_complete"):
 class XferFail(XferMessage, frozen=True, tag="xfer_fail"):
     code: Name
     message: Text
+    writes_stopped: bool = True  # none of the sender's writes into the receiver can land any more
+    sender: Name = ""  # "ctx" | "gen": the side that failed ("" from older daemons)
 
 
-XFER_MESSAGES = (XferOffer, XferAccept, XferGrant, XferPath, XferDone, XferComplete, XferFail)
+XFER_MESSAGES = (XferOffer, XferAccept, XferAnnounce, XferGrant, XferPath, XferDone, XferComplete, XferFail)
 
 
 class Notif(msgspec.Struct, frozen=True, array_like=True):

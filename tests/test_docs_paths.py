@@ -4,24 +4,24 @@ table, docs/events.md's ``transfer.done`` line and the ``Completion`` message it
 from __future__ import annotations
 
 import inspect
-import re
-from pathlib import Path
+from pathlib import Path as FsPath
 
 from protocol import messages as m
+from protocol.transfer_fsm import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = FsPath(__file__).resolve().parent.parent
 
 
 def engine_paths() -> set[str]:
-    """The path names kvd/transfer/ assigns (``path = "..."``, ``path="..."``)."""
-    found: set[str] = set()
-    for source in (ROOT / "kvd" / "transfer").rglob("*.py"):
-        found |= set(re.findall(r'\bpath\s*=\s*"([a-z-]+)"', source.read_text()))
-    return found
+    """The path names a completion can carry: the transfer state machine's ``Path`` enum."""
+    return {p.value for p in Path}
 
 
 def test_engine_paths_are_the_known_ones() -> None:
-    assert engine_paths() == {"local", "mapped", "direct", "bounce", "fragment-fallback"}
+    assert engine_paths() == {"local", "mapped", "direct", "bounce", "fragment"}
+    # and every path module of kvd/transfer/paths/ is one of them
+    modules = {p.stem for p in (ROOT / "kvd" / "transfer" / "paths").glob("*.py")} - {"__init__", "base"}
+    assert modules == engine_paths()
 
 
 def test_every_path_is_documented() -> None:

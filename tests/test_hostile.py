@@ -384,8 +384,10 @@ def test_sigterm_lets_an_in_flight_transfer_finish(daemon_factory: Factory, shor
     from tests.transfer_harness import start_pair
 
     # the gen side never grants bounce credit: the transfer stays in flight for bounce_wait_s,
-    # then completes by per-fragment writes; SIGTERM the ctx daemon in between.
-    pair = start_pair(daemon_factory, short_tmp, LAYOUT, LAYOUT, transfer={"bounce_wait_s": 4.0},
+    # then completes by per-fragment writes; SIGTERM the ctx daemon in between. (gen has half
+    # the tokens per block: a regroup, so the bytes need the bounce path, not direct writes)
+    gen_layout = KVLayout(4, 8, 64, 16, "bfloat16")
+    pair = start_pair(daemon_factory, short_tmp, LAYOUT, gen_layout, transfer={"bounce_wait_s": 4.0},
                       gen_extra={"transfer": {"bounce_size_mb": 4, "chunk_mb": 1, "grant_credits": False}},
                       ctx_extra={"drain_timeout_s": 30.0})
     with Client(pair.gen.socket_path, client="gen", timeout=IO_TIMEOUT) as gen, \
@@ -393,9 +395,9 @@ def test_sigterm_lets_an_in_flight_transfer_finish(daemon_factory: Factory, shor
             Client(pair.ctx.socket_path, client="ctx-other", timeout=IO_TIMEOUT) as other, \
             ThreadPoolExecutor(2) as pool:
         wait_until(lambda: other.stats().peers_connected == 1, "the peer link")
-        g_ids = gen.alloc("gen0", 4)
+        g_ids = gen.alloc("gen0", 8)
         c_ids = ctx.alloc("ctx0", 4)
-        gen.expect("drained", "gen0", LAYOUT, 0, g_ids, deadline_s=60)
+        gen.expect("drained", "gen0", gen_layout, 0, g_ids, deadline_s=60)
         ctx.publish("drained", "ctx0", LAYOUT, 0, c_ids, peer="gen", deadline_s=60)
         ctx_done = pool.submit(ctx.wait, "drained", 30)
         gen_done = pool.submit(gen.wait, "drained", 30)
@@ -457,19 +459,23 @@ def test_huge_names_and_request_ids_are_refused(daemon_factory: Factory) -> None
 
 def test_a_reply_too_large_fails_the_request_not_the_session(daemon_factory: Factory) -> None:
     n = 3000  # TransferInfo of a 256-character id is ~400 bytes: ~1.2 MB, more than a 1 MiB frame
-    d = daemon_factory({"limits": {"max_frame_size": 1 << 20, "max_inflight_per_session": 4096}})
+    # one tiny block per request: a block belongs to one unfinished request at a time
+    tiny = {"num_layers": 1, "num_kv_heads": 1, "head_dim": 8, "tokens_per_block": 1}
+    d = daemon_factory({"pools": [host_pool("host0", **tiny, num_blocks=n)],
+                        "limits": {"max_frame_size": 1 << 20, "max_inflight_per_session": 4096}})
     base = Baseline.take(d)
     raw = Raw(d.socket_path)
     raw.hello()
-    raw.send_body({"type": "alloc", "id": 2, "pool": "host0", "count": 1})
+    raw.send_body({"type": "alloc", "id": 2, "pool": "host0", "count": n})
     ids = raw.receive()
     assert isinstance(ids, m.Allocated)
-    body = msgspec.to_builtins(m.Expect(request_id="", pool="host0", layout=LAYOUT, rank=0, block_ids=ids.block_ids,
-                                        deadline_s=3600))
+    body = msgspec.to_builtins(m.Expect(request_id="", pool="host0", layout=KVLayout(**tiny, dtype="bfloat16"),
+                                        rank=0, block_ids=[0], deadline_s=3600))
     rids = [f"{i:06d}".ljust(MAX_REQUEST_ID_LEN, "r") for i in range(n)]
     for start in range(0, n, 100):  # in batches: the replies must not fill the socket both ways
         batch = list(enumerate(rids))[start : start + 100]
-        raw.send(b"".join(frame(msgspec.msgpack.encode({**body, "id": 10 + i, "request_id": r})) for i, r in batch))
+        raw.send(b"".join(frame(msgspec.msgpack.encode({**body, "id": 10 + i, "request_id": r,
+                                                        "block_ids": [ids.block_ids[i]]})) for i, r in batch))
         for i, _r in batch:
             reply = raw.receive()
             assert isinstance(reply, m.Registered) and reply.id == 10 + i, reply

@@ -6,7 +6,7 @@ import pytest
 import trio
 import trio.testing
 
-from kvd.transfer.slots import SlotPool
+from kvd.transport.slots import SlotPool
 
 
 async def test_waiting_owners_get_slots_round_robin() -> None:

@@ -25,7 +25,7 @@ from clients import open_client
 from clients.client import AsyncClient
 from kvd.demo.launch import start_daemon
 from kvd.ops.history import HISTORY_SIZE
-from protocol.errors import NotFound, OutOfBlocks, TransferCancelled, TransferTimeout
+from protocol.errors import NotFound, OutOfBlocks, TransferCancelled, TransferTimeout, WaitTimeout
 from protocol.layout import KVLayout
 from tests.conftest import host_pool
 
@@ -37,7 +37,7 @@ GEOMETRY: dict[str, Any] = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 16, 
 LAYOUT = KVLayout(**GEOMETRY)
 POOLS = ("ctx0", "gen0")
 #: Errors a random client is expected to run into; anything else fails the test.
-EXPECTED = (OutOfBlocks, NotFound, TransferTimeout, TransferCancelled)
+EXPECTED = (OutOfBlocks, NotFound, TransferTimeout, TransferCancelled, WaitTimeout)
 
 
 def _rss_kib(pid: int) -> int:

@@ -16,7 +16,7 @@ import trio
 
 from clients import open_client
 from kvd.demo.launch import DaemonProcess
-from protocol.errors import KvdError, PeerUnavailable, TransferCancelled, TransferTimeout
+from protocol.errors import KvdError, PeerUnavailable, PermissionDenied, TransferCancelled, TransferTimeout
 from protocol.layout import KVLayout
 from tests.transfer_harness import assert_exact, run_transfer, start_pair, wait_for_peer, write_secret
 
@@ -131,7 +131,7 @@ async def test_no_credit_within_bound_falls_back_per_fragment(daemon_factory: Fa
     out = await run_transfer(pair, CTX, GEN, request_id="r-fallback", blocks=4)
     assert_exact(out, GEN)
     for c in [*out.ctx.values(), *out.gen.values()]:
-        assert c.path == "fragment-fallback" and c.fallback == "fragment", c
+        assert c.path == "fragment" and c.fallback == "fragment", c
     assert '"transfer.bounce_fallback"' in pair.ctx.log()
     await assert_clean(pair.ctx, pair.gen)
 
@@ -213,12 +213,15 @@ async def test_executor_killed_after_publish(daemon_factory: Factory, short_tmp:
 
 
 async def test_cancel_by_request_id(daemon_factory: Factory, short_tmp: Path) -> None:
+    """Another session may not cancel the request; an operator (the daemon's uid) may, with force."""
     pair = start_pair(daemon_factory, short_tmp, CTX, GEN)
     results: dict[int, object] = {}
     async with trio.open_nursery() as n:
         await register_gen(pair.gen, "r-cancel", deadline_s=30.0, nursery=n, results=results)
         async with open_client(pair.gen.socket_path) as c:
-            await c.cancel("r-cancel")
+            with pytest.raises(PermissionDenied, match="another session"):
+                await c.cancel("r-cancel")
+            await c.cancel("r-cancel", force=True)
     for r in range(2):
         assert isinstance(results[r], TransferCancelled), results[r]
     await assert_clean(pair.gen)

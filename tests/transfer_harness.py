@@ -109,6 +109,7 @@ async def run_transfer(
     gen_ranks: list[int] | None = None,
     seed: int = 0,
     deadline_s: float | None = None,
+    gen_peer: str = "",
 ) -> Outcome:
     """Register ``request_id`` on every participating rank of both sides, wait, verify inputs."""
     ctx_ranks = ctx_ranks if ctx_ranks is not None else list(range(ctx_layout.world_size))
@@ -141,7 +142,10 @@ async def run_transfer(
             _sync(dev)
             gen_pools[r], gen_ids[r] = pool, ids
             gen_before[r] = pool.raw.to("cpu", copy=True)
-            await c.expect(request_id, f"gen{r}", gen_layout, r, ids, ranks=gen_ranks, deadline_s=deadline_s)
+            if gen_peer:
+                await wait_for_peer(c)  # a named peer must be known: configured, or linked once
+            await c.expect(request_id, f"gen{r}", gen_layout, r, ids, ranks=gen_ranks, deadline_s=deadline_s,
+                           peer=gen_peer)
             task_status.started()
             out.gen[r] = await c.wait(request_id)
             out.gen_data[r] = pool.raw.to("cpu", copy=True)

@@ -3,6 +3,11 @@
 Two daemons (separate processes, loopback), ctx TP1 -> gen TP4, GPT-OSS-120B KV geometry.
 Prints, all measured in the same run:
 
+- per request size (``--sizes``, in blocks), the end-to-end latency p50/p99 and GB/s, the
+  ctx-side stage timings and the peer round trips before data moved, with gen registering
+  first (naming its ctx peer) and with ctx publishing first, for the mapped and the NIXL path
+  (:mod:`kvd.bench.latency`; ``--latency-only`` stops there);
+
 - end to end through the daemons (executor publish -> completion), for the same-node
   ``mapped`` path and for the NIXL bounce pipeline (``mapped`` off);
 - a raw two-process NIXL write of the same bytes with large (64 MiB) descriptors, and with
@@ -81,6 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bounce-mb", type=int, default=128)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--sizes", default="1,4,16,64", help="request sizes in blocks for the latency table")
+    parser.add_argument("--latency-repeat", type=int, default=30, help="requests per size and order")
+    parser.add_argument("--latency-only", action="store_true", help="print the latency table only")
     args, _ = parser.parse_known_args(argv)
     if args.device == "cuda":  # the GPU bench has its own options (--plot, --sizes, --json-out)
         from kvd.bench.transfer_gpu import main as gpu_main
@@ -89,7 +97,20 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     workdir = Path(tempfile.mkdtemp(prefix="kvd-bench-", dir="/tmp"))
+    sizes = [int(x) for x in args.sizes.split(",") if x]
     try:
+        from kvd.bench import latency
+
+        lat = {name: latency.run(workdir, sizes, args.latency_repeat, mapped=m)
+               for name, m in (("mapped", True), ("nixl", False))}
+        if not args.json:
+            for name, lat_rows in lat.items():
+                latency.print_rows(f"kvd bench transfer: latency, {name} path, ctx TP1 -> gen TP4, host pools, "
+                                   f"{args.latency_repeat} requests per row", lat_rows)
+        if args.latency_only:
+            if args.json:
+                print(json.dumps({"latency": lat}, indent=2))
+            return 0
         mapped = _e2e(workdir, args.blocks, args.repeat, True, args.chunk_mb, args.bounce_mb)
         nixl = _e2e(workdir, args.blocks, args.repeat, False, args.chunk_mb, args.bounce_mb)
         raw = _raw(mapped["bytes"], args.repeat)
@@ -98,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "scenario": {"geometry": GEOMETRY, "ctx_tp": 1, "gen_tp": 4, "blocks": args.blocks, "device": "cpu",
                      "bytes": mapped["bytes"], "chunk_mb": args.chunk_mb, "bounce_mb": args.bounce_mb},
+        "latency": lat,
         "e2e_mapped": mapped,
         "e2e_nixl_bounce": nixl,
         "raw_nixl": raw,

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from kvd.bench import latency
 from kvd.demo.pair import GEOMETRY, Scenario, start_pair
 
 MiB = 1 << 20
@@ -196,6 +197,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--plot", default="", help="write a PNG of GB/s against request size")
     parser.add_argument("--json-out", default="", help="also write the JSON report to this file")
+    parser.add_argument("--latency-sizes", default="1,4,16,64",
+                        help="request sizes (blocks) for the latency table, gen-first and ctx-first; '' = skip")
+    parser.add_argument("--latency-repeat", type=int, default=30, help="requests per latency row")
     args = parser.parse_args(argv)
     if torch.cuda.device_count() < 2:
         print("kvd bench transfer --device cuda needs two GPUs")
@@ -206,6 +210,10 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="kvd-gbench-", dir="/tmp"))
     try:
         ceiling = _contiguous_copy(nbytes, args.repeat)
+        lat_sizes = [int(x) for x in args.latency_sizes.split(",") if x]
+        lat = {name: latency.run(workdir, lat_sizes, args.latency_repeat, mapped=on, memory="auto", device=0,
+                                 gen_device=1)
+               for name, on in (("mapped", True), ("nixl", False))} if lat_sizes else {}
         mapped = _e2e(workdir, max(sizes), sizes, args.repeat, True, args.chunk_mb, args.bounce_mb)
         nixl = _e2e(workdir, max(sizes), sizes, args.repeat, False, args.chunk_mb, args.bounce_mb)
         frag = GEOMETRY["tokens_per_block"] * GEOMETRY["head_dim"] * 2 * 2
@@ -218,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
                      "gpus": [torch.cuda.get_device_name(i) for i in range(2)], "chunk_mb": args.chunk_mb,
                      "bounce_mb": args.bounce_mb},
         "contiguous_copy_gbps": ceiling,
+        "latency": lat,
         "e2e_mapped": mapped,
         "e2e_nixl_bounce": nixl,
         "raw_nixl": raw,
@@ -251,6 +260,8 @@ def main(argv: list[str] | None = None) -> int:
         print("  size sweep (blocks: mapped GB/s, bounce GB/s):")
         for n in sizes:
             print(f"    {n:4d}: {mapped['by_blocks'][n]['gbps']:7.1f}  {nixl['by_blocks'][n]['gbps']:7.1f}")
+        for name, lat_rows in lat.items():
+            latency.print_rows(f"  latency, {name} path, GPU pools, {args.latency_repeat} requests per row", lat_rows)
         if mapped["fabric_warning"]:
             print(f"  pool policy: {mapped['fabric_warning']}")
     ok = all(v["verified"] for r in (mapped, nixl) for v in r["by_blocks"].values())

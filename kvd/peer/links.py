@@ -19,6 +19,7 @@ import trio
 from kvd.ops.accept import accept_loop
 from kvd.ops.throttle import Throttle
 from kvd.peer import accept_peer, connect_peer, load_secret, run_heartbeats
+from kvd.peer.attach import attach_peer_pools
 from kvd.startup import bind_failed
 from protocol import transfer as x
 from protocol.errors import AuthFailed, BadRequest, KvdError, PeerUnavailable, VersionMismatch
@@ -26,9 +27,12 @@ from protocol.limits import clip_text
 from protocol.peer import PeerWelcome, PoolDesc, RegionDesc, register_peer_messages
 
 if TYPE_CHECKING:
+    from collections.abc import Awaitable, Callable, Mapping
+
+    from kvd.config import Config
     from kvd.mapping.attach import MappedPool
     from kvd.peer import PeerConnection
-    from kvd.transfer.engine import Engine
+    from kvd.pool import Pool
     from kvd.transport.setup import Transport
 
 log = structlog.get_logger("kvd.peer")
@@ -59,22 +63,6 @@ def host_identity() -> str:
     return f"{boot}/{_socket.gethostname()}"
 
 
-def _attach_peer_pools(socket_path: str, names: list[str], me: str) -> dict[str, MappedPool]:
-    """Attach a same-node peer's pools through its executor socket (blocking; run in a thread)."""
-    from clients.blocking import Client
-
-    mapped: dict[str, MappedPool] = {}
-    try:
-        with Client(socket_path, client=f"kvd-peer:{me}", timeout=10.0) as client:
-            for name in names:
-                mapped[name] = client.attach(name)
-    except BaseException:
-        for m in mapped.values():
-            m.close()
-        raise
-    return mapped
-
-
 class PeerLink:
     """One live, authenticated link and what the peer told us in its welcome."""
 
@@ -101,13 +89,31 @@ class PeerLink:
 
 
 class PeerLinks:
-    """Owns every peer link of the daemon."""
+    """Owns every peer link of the daemon; delivers what arrives to the handlers it was given."""
 
-    def __init__(self, engine: Engine, transport: Transport) -> None:
-        self.engine = engine
+    def __init__(
+        self,
+        config: Config,
+        transport: Transport,
+        pools: Mapping[str, Pool],
+        version: str,
+        *,
+        deliver: Callable[[PeerLink, x.XferMessage], Awaitable[None]],
+        link_up: Callable[[PeerLink], None],
+        link_lost: Callable[[str, str], None],
+    ) -> None:
         self.transport = transport
-        self.config = engine.daemon.config
+        self.config = config
+        self.pools = pools
+        self.version = version
+        self._deliver = deliver
+        self._link_up = link_up
+        self._link_lost = link_lost
         self.links: dict[str, PeerLink] = {}
+        #: every peer that ever linked since start (a known peer even while its link is down)
+        self.seen: set[str] = set()
+        #: failure notices a transfer could not send while the link was down, sent on the next one
+        self.owed: dict[str, list[x.XferMessage]] = {}
         self.secret: bytes | None = None
         self.last_error: dict[str, str] = {}  # peer -> why its last connect failed
         self.pending = 0  # accepted peer-port connections not yet authenticated
@@ -128,6 +134,17 @@ class PeerLinks:
             await self._changed.wait()
         return self.links[node]
 
+    def node_of_agent(self, agent: str) -> str:
+        """The node whose NIXL agent is ``agent`` ("" if none is linked)."""
+        for node, link in self.links.items():
+            if link.agent == agent:
+                return node
+        return ""
+
+    def owe(self, node: str, msg: x.XferMessage) -> None:
+        """Send ``msg`` as soon as a link to ``node`` is up again."""
+        self.owed.setdefault(node, []).append(msg)
+
     def describe_missing(self, node: str) -> str:
         """Why there is no link to ``node`` (for error messages)."""
         why = self.last_error.get(node)
@@ -135,19 +152,21 @@ class PeerLinks:
 
     def welcome(self) -> PeerWelcome:
         t = self.transport
+        st = t.staging
+        assert st is not None, "peer links start after the staging exists"
         return PeerWelcome(
             node=self.config.node,
-            software=f"kvd {self.engine.daemon.version}",
+            software=f"kvd {self.version}",
             nixl_agent=t.agent.name,
             nixl_metadata=t.agent.metadata(),
             bounce=[
-                RegionDesc(name="recv", addr=t.recv.addr, nbytes=t.recv.nbytes, device=t.recv.device,
-                           slot_bytes=t.recv.slot_bytes, slots=t.recv.slot_count)
+                RegionDesc(name="recv", addr=st.recv.addr, nbytes=st.recv.nbytes, device=st.recv.device,
+                           slot_bytes=st.recv.slot_bytes, slots=st.recv.slot_count)
             ],
             pools=[
                 PoolDesc(name=name, addr=p.ptr, nbytes=p.nbytes, device=p.device, kind=p.kind,
                          block_bytes=p.block_bytes, num_blocks=p.layout.num_blocks, layout=p.layout, rank=p.rank)
-                for name, p in self.engine.daemon.pools.items()
+                for name, p in self.pools.items()
             ],
             host_id=host_identity(),
             socket_path=self.config.socket_path,
@@ -164,6 +183,8 @@ class PeerLinks:
             log.info("peer.disabled", reason="no peer_secret_file: this daemon only serves local transfers")
             task_status.started(0)
             return
+        # the bounce staging exists only on daemons with peers (allocated and registered once)
+        await trio.to_thread.run_sync(self.transport.ensure_staging)
         try:
             listeners = await trio.open_tcp_listeners(cfg.peer_port, host=cfg.peer_host)
         except OSError as exc:
@@ -249,25 +270,30 @@ class PeerLinks:
                 and welcome.pools):
             try:
                 link.mapped = await trio.to_thread.run_sync(
-                    _attach_peer_pools, welcome.socket_path, [p.name for p in welcome.pools], self.config.node
+                    attach_peer_pools, welcome.socket_path, [p.name for p in welcome.pools], self.config.node
                 )
                 log.info("peer.pools_mapped", node=node, pools=sorted(link.mapped))
             except KvdError as exc:  # e.g. another mount namespace: fall back to NIXL, say so
                 log.warning("peer.pools_not_mapped", node=node, error=str(exc))
         self.links[node] = link
+        self.seen.add(node)
         self.last_error.pop(node, None)
         self._changed.set()
         self._changed = trio.Event()
         log.info("peer.connected", node=node, remote=conn.remote_addr, nixl_agent=agent)
+        self._link_up(link)
+        owed = self.owed.pop(node, [])
         reasons: list[str] = []
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._heartbeats, conn, reasons)
                 try:
+                    for notice in owed:
+                        await link.send(notice)
                     while True:
                         msg = await conn.receive()
                         if isinstance(msg, x.XferMessage):
-                            await self.engine.on_peer_message(link, msg)
+                            await self._deliver(link, msg)
                         else:
                             log.debug("peer.ignored_message", node=node, type=type(msg).__name__)
                 except (KvdError, trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
@@ -282,7 +308,7 @@ class PeerLinks:
                     del self.links[node]
                 reason = reasons[0] if reasons else "daemon shutting down"
                 log.warning("peer.disconnected", node=node, reason=clip_text(reason))
-                await self.engine.on_link_lost(node, reason)
+                self._link_lost(node, reason)
                 with contextlib.suppress(KvdError):
                     nixl.remove_remote(agent)
                 await conn.aclose()

@@ -117,6 +117,23 @@ class BlockAllocator:
             self._release(session_id, ids)
         return len(ids)
 
+    def hand_over(self, session_id: SessionId, new_owner: SessionId, block_ids: Iterable[int]) -> int:
+        """Move leases of ``session_id`` to ``new_owner`` (all or nothing); returns how many.
+
+        A transfer takes over the blocks of an executor that went away while a write into them
+        may still land; it frees them (``release_session(new_owner)``) once none can.
+        """
+        ids = self.check_leased(session_id, block_ids)
+        held = self._leases[session_id] if ids else set()
+        for i in ids:
+            self._owner[i] = new_owner
+            held.discard(i)
+        if ids:
+            self._leases.setdefault(new_owner, set()).update(ids)
+            if not held:
+                del self._leases[session_id]
+        return len(ids)
+
     def release_session(self, session_id: SessionId) -> int:
         """Return every block leased to ``session_id``; returns how many (0 if none)."""
         held = self._leases.get(session_id)

@@ -35,6 +35,7 @@ class RankPart:
     pool: Pool
     block_ids: list[int]
     session: Session
+    session_gone: bool = False  # the session waited for the outcome, or ended
 
 
 @dataclass(eq=False)
@@ -51,7 +52,6 @@ class Side:
     done: trio.Event = field(default_factory=trio.Event)
     completion: m.Completion | None = None
     created: float = field(default_factory=time.monotonic)
-    cancel_scope: trio.CancelScope | None = None
     # progress, for `kvctl transfers`
     state: str = "waiting"
     bytes_total: int = 0
@@ -126,6 +126,8 @@ def check_pool_matches(pool: Pool, layout: KVLayout, rank: int) -> KVLayout:
     """The layout with the pool's block count; raises if the pool cannot hold ``rank``."""
     if not 0 <= rank < layout.world_size:
         raise BadRequest(f"rank {rank} is outside the layout's world size {layout.world_size}")
+    if pool.rank != rank:
+        raise BadRequest(f"pool {pool.name!r} is configured as rank {pool.rank}; it cannot be registered as rank {rank}")
     resolved = msgspec.structs.replace(layout, num_blocks=pool.layout.num_blocks)
     if layout.num_blocks not in (0, pool.layout.num_blocks):
         raise IncompatibleLayout(
@@ -143,14 +145,17 @@ def check_pool_matches(pool: Pool, layout: KVLayout, rank: int) -> KVLayout:
 
 
 def add_registration(
-    sides: dict[tuple[str, Role], Side],
+    side: Side | None,
     session: Session,
     msg: m.Expect | m.Publish,
     pool: Pool,
     role: Role,
     deadline: float,
 ) -> Side:
-    """Validate ``msg`` and add it to (or start) its side; returns the side."""
+    """Validate ``msg`` and add it to ``side`` (or start a new side); returns the side.
+
+    Nothing changes when it raises.
+    """
     layout = check_pool_matches(pool, msg.layout, msg.rank)
     pool.blocks.check_leased(session.id, msg.block_ids)
     if len(set(msg.block_ids)) != len(msg.block_ids):
@@ -169,16 +174,13 @@ def add_registration(
             )
     if msg.rank not in ranks:
         raise BadRequest(f"request {msg.request_id!r}: rank {msg.rank} is not among participants {list(ranks)}")
-    peer = msg.peer if isinstance(msg, m.Publish) else ""
-    key = (msg.request_id, role)
-    side = sides.get(key)
-    if side is None or side.completion is not None:
-        if side is not None:
-            raise DuplicateRequest(f"request {msg.request_id!r} ({role}) already ran; use a new request id")
+    peer = msg.peer
+    if side is None:
         side = Side(msg.request_id, role, layout, ranks, peer, deadline)
         side.parts[msg.rank] = RankPart(msg.rank, pool, list(msg.block_ids), session)
-        sides[key] = side
         return side
+    if side.completion is not None:
+        raise DuplicateRequest(f"request {msg.request_id!r} ({role}) already ran; use a new request id")
     if _without_blocks(side.layout) != _without_blocks(layout):
         raise IncompatibleLayout(f"request {msg.request_id!r}: rank {msg.rank} gives a different layout than earlier ranks")
     if side.ranks != ranks:

@@ -848,8 +848,10 @@ async def poll_notifications(
     on_notif: Callable[[str, bytes], object],
     *,
     idle_poll: float = 0.001,
+    idle_max: float | None = None,
     spin: float = 0.002,
     hot: Callable[[], bool] | None = None,
+    wakeup: Callable[[], trio.Event] | None = None,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Drain ``agent``'s notifications forever, calling ``on_notif(remote_agent, msg)`` for each.
@@ -858,14 +860,18 @@ async def poll_notifications(
     what drives UCX). It polls with ``trio.sleep(0)`` between calls (a "spin": ≈4 µs per
     round, one core busy) while ``hot()`` is true (e.g. "a transfer into us is in progress")
     and for ``spin`` seconds after the last notification; otherwise every ``idle_poll``
-    seconds. Sub-millisecond sleeps are pointless: trio rounds them up to ≈1.1 ms under epoll.
-    The poll rate of the *receiving* agent bounds the *sender's* completion latency: a 1 MiB
-    host write completes in ≈0.2 ms when the target spins, ≈3 ms when it polls every ms.
-    ``on_notif`` must not block (use a memory channel's ``send_nowait``). Polling pauses
-    while a worker thread is inside the agent (:attr:`NixlAgent.busy`).
+    seconds, doubling up to ``idle_max`` (when given) while nothing happens — an idle daemon
+    then costs almost nothing. ``wakeup()`` returns an event set when work starts: an idle
+    sleep ends at once then. Sub-millisecond sleeps are pointless: trio rounds them up to
+    ≈1.1 ms under epoll. The poll rate of the *receiving* agent bounds the *sender's*
+    completion latency: a 1 MiB host write completes in ≈0.2 ms when the target spins, ≈3 ms
+    when it polls every ms. ``on_notif`` must not block (use a memory channel's
+    ``send_nowait``). Polling pauses while a worker thread is inside the agent
+    (:attr:`NixlAgent.busy`).
     """
     task_status.started()
     last_activity = time.monotonic()
+    interval = idle_poll
     while True:
         if agent.busy:
             await trio.sleep(0 if hot is not None and hot() else idle_poll)
@@ -878,6 +884,12 @@ async def poll_notifications(
                 for msg in msgs:
                     on_notif(remote, msg)
         if now - last_activity < spin or (hot is not None and hot()):
+            interval = idle_poll
             await trio.sleep(0)
+        elif wakeup is not None:
+            with trio.move_on_after(interval):
+                await wakeup().wait()
+            interval = min(interval * 2, idle_max if idle_max is not None else idle_poll)
         else:
-            await trio.sleep(idle_poll)
+            await trio.sleep(interval)
+            interval = min(interval * 2, idle_max if idle_max is not None else idle_poll)

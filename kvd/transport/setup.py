@@ -1,10 +1,12 @@
 """Bring up the daemon's data plane: one NIXL agent, its registrations and staging regions.
 
-Registered once at startup (registration is slow: never per transfer):
+Registered once (registration is slow, never per transfer):
 
-- every pool (the source of sends, and the target of direct and fallback writes);
-- the *receive* region: ``bounce_size_mb`` cut into ``chunk_mb`` slots the peer writes into;
-- the *send* staging region: the same size, where chunks are gathered before their write.
+- every pool, at startup (the source of sends, and the target of direct and fallback writes);
+- the bounce staging, only once peer links are enabled (a daemon that serves only local
+  transfers never allocates it): the *receive* region, ``bounce_size_mb`` cut into
+  ``chunk_mb`` slots the peer writes into, and the *send* region of the same size, where
+  chunks are gathered before their write.
 
 Staging lives where the pools live (the first GPU pool's device, else host memory) and is
 NIXL-targetable memory: ``cudaMalloc`` on GPUs, plain host memory on CPUs (UCX
@@ -23,6 +25,7 @@ import structlog
 import torch
 
 from kvd.transport import NixlAgent, Region
+from kvd.transport.slots import SlotPool
 
 if TYPE_CHECKING:
     from kvd.daemon import Daemon
@@ -62,12 +65,35 @@ class StagingRegion:
 
 
 @dataclass(eq=False)
-class Transport:
-    """The NIXL agent plus the staging regions it has registered."""
+class Staging:
+    """The bounce staging: receive and send regions, and the slot pools that share them."""
 
-    agent: NixlAgent
     recv: StagingRegion
     send: StagingRegion
+    recv_slots: SlotPool
+    send_slots: SlotPool
+
+
+@dataclass(eq=False)
+class Transport:
+    """The NIXL agent, and the staging regions once :meth:`ensure_staging` made them."""
+
+    agent: NixlAgent
+    device: int  # where staging goes: the first GPU pool's device, else -1 (host)
+    chunk_bytes: int
+    slots: int
+    staging: Staging | None = None
+
+    def ensure_staging(self) -> Staging:
+        """Allocate and register the bounce staging on first use (blocking: run in a thread)."""
+        if self.staging is None:
+            recv = _staging(self.chunk_bytes, self.slots, self.device)
+            send = _staging(self.chunk_bytes, self.slots, self.device)
+            self.agent.register([recv.region(), send.region()])
+            self.staging = Staging(recv, send, SlotPool(self.slots), SlotPool(self.slots))
+            log.info("transport.staging_ready", staging_device=self.device, slots=self.slots,
+                     slot_mb=self.chunk_bytes >> 20)
+        return self.staging
 
     def close(self) -> None:
         self.agent.close()
@@ -108,30 +134,21 @@ def device_transport_warnings(daemon: Daemon, env: Mapping[str, str]) -> list[di
 
 
 def setup_transport(daemon: Daemon, chunk_bytes: int, slots: int) -> Transport:
-    """Create the agent, allocate staging, register pools + staging (blocking: run in a thread)."""
+    """Create the agent and register the pools (blocking: run in a thread); staging comes later."""
     cfg = daemon.config
     gpu_devices = [p.device for p in daemon.pools.values() if p.device >= 0]
     device = gpu_devices[0] if gpu_devices else -1
     name = f"{cfg.node}-{os.getpid()}-{secrets.token_hex(4)}"
     agent = NixlAgent(name, progress_thread=cfg.transfer.nixl_progress_thread)
     try:
-        recv = _staging(chunk_bytes, slots, device)
-        send = _staging(chunk_bytes, slots, device)
-        regions = [recv.region(), send.region()]
-        for pool in daemon.pools.values():
-            regions.append(Region(pool.ptr, pool.nbytes, pool.device, "VRAM" if pool.device >= 0 else "DRAM"))
-        agent.register(regions)
+        regions = [Region(p.ptr, p.nbytes, p.device, "VRAM" if p.device >= 0 else "DRAM")
+                   for p in daemon.pools.values()]
+        if regions:
+            agent.register(regions)
     except BaseException:
         agent.close()
         raise
     for warning in device_transport_warnings(daemon, os.environ):
         log.warning("transport.slow_device_path", **warning)
-    log.info(
-        "transport.ready",
-        agent=name,
-        staging_device=device,
-        slots=slots,
-        slot_mb=chunk_bytes >> 20,
-        pools_registered=len(daemon.pools),
-    )
-    return Transport(agent, recv, send)
+    log.info("transport.ready", agent=name, staging_device=device, pools_registered=len(daemon.pools))
+    return Transport(agent, device, chunk_bytes, slots)

@@ -1,0 +1,153 @@
+"""End-to-end latency of one request through two daemons, per request size and registration order.
+
+ctx TP1 -> gen TP4, GPT-OSS-120B KV geometry (2.25 MiB per block), host pools, two daemons on
+loopback (or GPU pools: :func:`run`'s ``memory``/``device``). For each size it runs the request ``repeat`` times with the gen executors registering
+first (naming their ctx peer: the destination is announced before ``publish``) and with the ctx
+executor publishing first (offer/accept), and reports:
+
+- end-to-end latency, p50 and p99: from the last registration call (the one that completes the
+  request) until every executor has its completion; GB/s at p50;
+- the ctx side's stage timings (median seconds since its data path started: ``planned``,
+  ``data_out``) from the daemon's ``transfer.done`` line;
+- the peer round trips the ctx side waited for before data moved (0 when gen announced).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from clients.blocking import Client
+from kvd.demo.launch import DaemonProcess
+from kvd.demo.pair import GEOMETRY, start_pair
+from protocol.layout import KVLayout
+
+GEN_TP = 4
+
+
+def _pct(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, round(q * (len(s) - 1)))]
+
+
+class _Executors:
+    """One ctx executor and four gen executors, their blocks leased once per size."""
+
+    def __init__(self, ctx_d: DaemonProcess, gen_d: DaemonProcess, blocks: int) -> None:
+        self.blocks = blocks
+        self.ctx_layout = KVLayout(**GEOMETRY, tp_size=1)
+        self.gen_layout = KVLayout(**GEOMETRY, tp_size=GEN_TP)
+        self.ctx = Client(ctx_d.socket_path, client="bench-ctx")
+        self.gens = [Client(gen_d.socket_path, client=f"bench-gen{r}") for r in range(GEN_TP)]
+        self.ctx_ids = self.ctx.alloc("ctx0", blocks)
+        self.gen_ids = [c.alloc(f"gen{r}", blocks) for r, c in enumerate(self.gens)]
+
+    def once(self, rid: str, gen_first: bool) -> tuple[float, int]:
+        """One request; returns (seconds from the completing registration to all completions, bytes)."""
+        def expect(r: int) -> None:
+            self.gens[r].expect(rid, f"gen{r}", self.gen_layout, r, self.gen_ids[r], peer="ctx" if gen_first else "")
+
+        def publish() -> None:
+            self.ctx.publish(rid, "ctx0", self.ctx_layout, 0, self.ctx_ids, peer="gen")
+
+        if gen_first:
+            for r in range(GEN_TP):
+                expect(r)
+            t0 = time.perf_counter()
+            publish()
+        else:
+            publish()
+            for r in range(GEN_TP - 1):
+                expect(r)
+            t0 = time.perf_counter()
+            expect(GEN_TP - 1)
+        done = self.ctx.wait(rid, timeout_s=60)
+        for c in self.gens:
+            c.wait(rid, timeout_s=60)
+        return time.perf_counter() - t0, done.bytes
+
+    def close(self) -> None:
+        for c in [self.ctx, *self.gens]:
+            c.close()
+
+
+def _wait_for_link(d: DaemonProcess, timeout: float = 30.0) -> None:
+    with Client(d.socket_path, client="bench-probe") as c:
+        t_end = time.monotonic() + timeout
+        while c.stats().peers_connected < 1:
+            if time.monotonic() > t_end:
+                raise TimeoutError("the daemons never linked")
+            time.sleep(0.01)
+
+
+def _done_lines(d: DaemonProcess) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for line in Path(d.log_path).read_text(errors="replace").splitlines():
+        if '"transfer.done"' in line:
+            rec = json.loads(line)
+            out[rec["request_id"]] = rec
+    return out
+
+
+def run(workdir: Path, sizes: list[int], repeat: int, *, mapped: bool, memory: str = "host", device: int = -1,
+        gen_device: int | None = None) -> list[dict[str, Any]]:
+    """Measure every size and order on one pair of daemons; one row per (size, order).
+
+    Host pools by default; ``memory="auto", device=0, gen_device=1`` puts the ctx pool on GPU 0
+    and the four gen pools on GPU 1 (the GPU bench's placement).
+    """
+    sub = workdir / ("lat-mapped" if mapped else "lat-nixl")
+    sub.mkdir()
+    ctx_d, gen_d = start_pair(sub, gen_tp=GEN_TP, blocks=max(sizes), bounce_mb=64, chunk_mb=16,
+                              memory=memory, device=device, gen_device=gen_device,
+                              extra_transfer={"mapped": mapped})
+    rows: list[dict[str, Any]] = []
+    try:
+        _wait_for_link(gen_d)  # gen may name ctx only once ctx's link came up (a known peer)
+        for blocks in sizes:
+            ex = _Executors(ctx_d, gen_d, blocks)
+            try:
+                ex.once(f"warm-{blocks}", True)
+                ex.once(f"warm2-{blocks}", False)
+                for gen_first in (True, False):
+                    walls: list[float] = []
+                    nbytes = 0
+                    rids = []
+                    for i in range(repeat):
+                        rid = f"b{blocks}-{'g' if gen_first else 'c'}-{i}"
+                        wall, nbytes = ex.once(rid, gen_first)
+                        walls.append(wall)
+                        rids.append(rid)
+                    rows.append({"blocks": blocks, "bytes": nbytes, "order": "gen-first" if gen_first else "ctx-first",
+                                 "p50_s": _pct(walls, 0.5), "p99_s": _pct(walls, 0.99), "rids": rids})
+            finally:
+                ex.close()
+        lines = _done_lines(ctx_d)
+        for row in rows:
+            recs = [lines[r] for r in row.pop("rids") if r in lines]
+            row["path"] = recs[0]["path"] if recs else ""
+            row["round_trips"] = sorted({rec.get("round_trips") for rec in recs} - {None})
+            stages: dict[str, list[float]] = {}
+            for rec in recs:
+                for k, v in (rec.get("stages") or {}).items():
+                    stages.setdefault(k, []).append(float(v))
+            row["ctx_stages_s"] = {k: statistics.median(v) for k, v in stages.items()}
+            row["gbps_p50"] = row["bytes"] / row["p50_s"] / 1e9
+    finally:
+        ctx_d.stop()
+        gen_d.stop()
+    return rows
+
+
+def print_rows(title: str, rows: list[dict[str, Any]]) -> None:
+    print(title)
+    print(f"  {'blocks':>6} {'MiB':>7} {'order':<10} {'path':<7} {'p50 ms':>8} {'p99 ms':>8} {'GB/s':>7}"
+          f" {'rtt':>4}  ctx stages (ms since data path start)")
+    for r in rows:
+        stages = " ".join(f"{k}={v * 1e3:.2f}" for k, v in r["ctx_stages_s"].items())
+        rtt = ",".join(str(x) for x in r["round_trips"])
+        print(f"  {r['blocks']:>6} {r['bytes'] / (1 << 20):>7.1f} {r['order']:<10} {r['path']:<7}"
+              f" {r['p50_s'] * 1e3:>8.2f} {r['p99_s'] * 1e3:>8.2f} {r['gbps_p50']:>7.2f} {rtt:>4}  {stages}")

@@ -1,0 +1,624 @@
+"""One :class:`Transfer` per request: its state machine, its deadline, its leases, its tasks.
+
+The transfer is an actor. Everything that happens to the request arrives in its inbox (a trio
+memory channel): executor registrations, cancels and disconnects (fed by the engine), the
+peer's transfer-control messages (delivered by the peer link), NIXL notifications (from the
+poller) and what its own data-path tasks report. The actor feeds each one to the sans-IO
+:class:`~protocol.transfer_fsm.TransferMachine` and carries out the actions it returns: send a
+message, start the data path, abort writes, report to the executors. It never decides on its
+own when a side has failed or may give its blocks back: the machine does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import structlog
+import trio
+
+from kvd.regroup.plan import Plan, plan
+from kvd.transfer.movers import BouncePlan, bounce_chunks
+from kvd.transfer.paths import bounce, direct, fragment, local, mapped
+from kvd.transfer.paths.base import Job, Sent
+from kvd.transfer.requests import Side
+from protocol import messages as m
+from protocol import transfer as x
+from protocol import transfer_fsm as f
+from protocol.errors import (
+    InternalError,
+    KvdError,
+    LocalProtocolError,
+    PeerUnavailable,
+    RemoteProtocolError,
+    TransferCancelled,
+    TransferTimeout,
+)
+from protocol.layout import KVLayout
+
+if TYPE_CHECKING:
+    from kvd.config import TransferConfig
+    from kvd.peer.links import PeerLink, PeerLinks
+    from kvd.transport import NixlAgent
+    from kvd.transport.setup import Staging
+
+log = structlog.get_logger("kvd.transfer")
+
+#: Up to this many request blocks (over all ranks) the planner runs on the event loop: it only
+#: validates and computes boxes there (fragments are lazy), less than a worker-thread hop.
+INLINE_PLAN_BLOCKS = 4096
+
+#: Receive slots a gen side grants with its announce (the bounce path then starts at once).
+PREGRANT_SLOTS = 2
+
+_PATHS = {p.value: p for p in f.Path}
+_PATHS["fragment-fallback"] = f.Path.FRAGMENT  # older daemons' name
+
+
+async def make_plan(ctx: KVLayout, gen: KVLayout, cb: dict[int, list[int]], gb: dict[int, list[int]]) -> Plan:
+    """Plan a request: on the event loop when small, in a worker thread when large."""
+    if sum(map(len, cb.values())) + sum(map(len, gb.values())) <= INLINE_PLAN_BLOCKS:
+        return plan(ctx, gen, cb, gb)
+    return await trio.to_thread.run_sync(partial(plan, ctx, gen, cb, gb))
+
+
+def _first_kvd_error(exc: BaseException) -> KvdError | None:
+    """The KvdError inside ``exc`` (which may be a nursery's exception group), if any."""
+    if isinstance(exc, KvdError):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            found = _first_kvd_error(inner)
+            if found is not None:
+                return found
+    return None
+
+
+@dataclass
+class Env:
+    """What a transfer needs from its daemon, handed in (a transfer never reaches for more)."""
+
+    node: str
+    cfg: TransferConfig
+    nixl: Callable[[], NixlAgent | None]
+    links: Callable[[], PeerLinks | None]
+    staging: Callable[[], Staging | None]
+    #: called once per side when the machine reports it (logs, counters, leases)
+    on_report: Callable[[Transfer, Side, m.Completion], None]
+    #: called once when the transfer has nothing left running
+    on_finished: Callable[[Transfer], None]
+
+
+@dataclass
+class _Do:
+    actions: list[f.Action]
+
+
+@dataclass
+class _Remote:
+    """What the peer told us about its side."""
+
+    layout: KVLayout | None = None
+    blocks: dict[int, list[int]] = field(default_factory=dict)
+    pools: dict[int, x.RemoteRegion] = field(default_factory=dict)
+    pool_names: dict[int, str] = field(default_factory=dict)
+
+
+class _Progress:
+    """A path's reports, fed to the machine for ``role``."""
+
+    def __init__(self, t: Transfer, role: f.Role, side: Side | None) -> None:
+        self.t, self.role, self.side = t, role, side
+
+    def posted(self, n: int = 1) -> None:
+        if self.t.machine.state(self.role) is f.State.ABORTING:
+            raise TransferCancelled(f"request {self.t.request_id!r}: aborted, no new write")
+        self.t.feed(f.WritePosted(self.role, n))
+
+    def ended(self, n: int = 1) -> None:
+        self.t.feed(f.WriteEnded(self.role, n))
+
+    def moved(self, nbytes: int, chunks: int = 1) -> None:
+        if self.side is not None:
+            self.side.bytes_done += nbytes
+            self.side.chunks_done += chunks
+
+    def mark(self, stage: str) -> None:
+        if self.side is not None:
+            self.side.mark(stage)
+
+
+class _ScatterProgress(_Progress):
+    """gen's scatters: posted when their notification arrives, so only their end is reported."""
+
+    def __init__(self, t: Transfer, side: Side) -> None:
+        super().__init__(t, f.Role.GEN, side)
+
+    def posted(self, n: int = 1) -> None:
+        raise InternalError("gen scatters are posted when their notification arrives")
+
+    def ended(self, n: int = 1) -> None:
+        self.t.scatters_ended(n)
+
+
+class Transfer:
+    """One request on this daemon (see the module docstring)."""
+
+    def __init__(self, env: Env, request_id: str, peer: str, here: set[f.Role]) -> None:
+        self.env = env
+        self.request_id = request_id
+        self.peer = peer  # the other daemon's node ("" while a gen side waits for any offer)
+        self.machine = f.TransferMachine(here=set(here))
+        self.sides: dict[f.Role, Side] = {}
+        self.remote = _Remote()
+        self.peer_instance = ""  # the peer's NIXL agent when we first talked: a new one = fenced
+        self.created = time.monotonic()
+        self.finished = trio.Event()
+        self.forgetting = False  # the engine drops it soon
+        self._tx, self._rx = trio.open_memory_channel[Any](math.inf)
+        self._notifs_tx, self._notifs_rx = trio.open_memory_channel[x.Notif](math.inf)
+        self._grants_tx, self._grants_rx = trio.open_memory_channel[int](math.inf)
+        self._scopes: dict[f.Role, trio.CancelScope] = {}
+        self._pending_scatters = 0
+        self._nursery: trio.Nursery | None = None
+        self._plan: Plan | None = None
+        self.sent: Sent | None = None  # what our sending path did (ctx)
+        self.done_msg: x.XferDone | None = None  # what the peer's did (gen)
+        self.round_trips = 0  # peer round trips ctx waited for before data moved
+        self.pregranted = 0  # receive slots granted with the announce (gen)
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.peer, self.request_id)
+
+    @property
+    def slot_owner(self) -> str:
+        return f"{self.peer}/{self.request_id}"
+
+    # -- input --------------------------------------------------------------------------------
+    def feed(self, event: f.Event | f.Clock | f.PeerLost | f.PeerFenced) -> None:
+        """Apply one event now; its actions run in order on the actor. Raises protocol errors."""
+        before = self.machine.deadline
+        actions = self.machine.handle(event)
+        if actions or self.machine.deadline < before:
+            self._tx.send_nowait(_Do(actions))
+
+    def post(self, item: x.XferMessage | x.Notif | f.PeerLost | f.PeerFenced) -> None:
+        """Deliver a peer message, a notification or a link event (never blocks)."""
+        self._tx.send_nowait(item)
+
+    # -- the actor ------------------------------------------------------------------------------
+    async def run(self) -> None:
+        """Serve the request until the machine says every side here has ended."""
+        bound = structlog.contextvars.bound_contextvars(request_id=self.request_id)
+        try:
+            with bound:
+                async with trio.open_nursery() as nursery:
+                    self._nursery = nursery
+                    expired = False
+                    while not self.machine.finished:
+                        item: Any = None
+                        # once expired, the deadline has done its work: a side still aborting
+                        # waits for its writes (or the peer's word), however long that takes
+                        with trio.move_on_at(math.inf if expired else self.machine.deadline):
+                            item = await self._rx.receive()
+                        if item is None:
+                            expired = True
+                            self._explain_expiry()
+                            item = f.Clock(trio.current_time())
+                        await self._step(item)
+                    # the machine is final: nothing it waits for is left in the tasks
+                    while True:  # carry out what the last events asked for (reports, the last Fail)
+                        try:
+                            item = self._rx.receive_nowait()
+                        except trio.WouldBlock:
+                            break
+                        if isinstance(item, _Do):
+                            await self._do(item.actions)
+                    nursery.cancel_scope.cancel()
+        finally:
+            self.finished.set()
+            self.env.on_finished(self)
+
+    async def _step(self, item: Any) -> None:
+        try:
+            if isinstance(item, _Do):
+                await self._do(item.actions)
+            elif isinstance(item, x.Notif):
+                self._on_notif(item)
+            elif isinstance(item, x.XferMessage):
+                self._on_message(item)
+            else:
+                self.feed(item)
+        except RemoteProtocolError as exc:
+            log.warning("transfer.peer_protocol_error", peer=self.peer, error=exc.message)
+            self._fail_here(exc)
+        except LocalProtocolError as exc:
+            log.error("transfer.local_protocol_error", error=exc.message)
+            self._fail_here(exc)
+        except Exception as exc:  # a bug: this request fails, the daemon serves on
+            log.exception("transfer.internal_error")
+            self._fail_here(InternalError(f"internal error: {type(exc).__name__}: {exc}"))
+
+    def _explain_expiry(self) -> None:
+        """At the deadline, fail with the most useful reason the machine cannot know."""
+        for role, side in self.sides.items():
+            st = self.machine.state(role)
+            if st is f.State.REGISTERING:
+                missing = sorted(set(side.ranks) - set(side.parts))
+                self.feed(f.LocalFailure(role, TransferTimeout.code,
+                                         f"request {self.request_id!r} ({side.role}): ranks {missing} never registered "
+                                         f"before the deadline ({len(side.parts)} of {len(side.ranks)} did)"))
+            elif role is f.Role.CTX and st in (f.State.READY, f.State.OFFERED):
+                links = self.env.links()
+                if links is not None and self.peer not in links.links:
+                    self.feed(f.LocalFailure(role, PeerUnavailable.code,
+                                             f"request {self.request_id!r}: {links.describe_missing(self.peer)} "
+                                             "before the deadline"))
+
+    def _fail_here(self, exc: KvdError) -> None:
+        for role in list(self.machine.here):
+            st = self.machine.state(role)
+            if st not in f.FINAL and st is not f.State.ABORTING:
+                self.feed(f.LocalFailure(role, exc.code, exc.message))
+
+    # -- peer messages --------------------------------------------------------------------------
+    def _deadline(self, seconds: float) -> float:
+        return trio.current_time() + seconds if seconds > 0 else math.inf
+
+    def _on_message(self, msg: x.XferMessage) -> None:
+        r = self.remote
+        if isinstance(msg, x.XferOffer):
+            r.layout, r.blocks = msg.layout, dict(msg.blocks)
+            self.feed(f.OfferReceived(f.Role.CTX, deadline=self._deadline(msg.deadline_s)))
+        elif isinstance(msg, x.XferAccept | x.XferAnnounce):
+            announced = isinstance(msg, x.XferAnnounce)
+            r.layout, r.blocks = msg.layout, dict(msg.blocks)
+            r.pools, r.pool_names = dict(msg.pools), dict(msg.pool_names)
+            if not announced:
+                self.round_trips += 1
+            deadline = self._deadline(msg.deadline_s) if isinstance(msg, x.XferAnnounce) else math.inf
+            self.feed(f.DestinationReceived(f.Role.GEN, deadline=deadline, announced=announced))
+            for slot in msg.slots:
+                self._grants_tx.send_nowait(slot)
+        elif isinstance(msg, x.XferPath):
+            path = _PATHS.get(msg.path)
+            if path is None:
+                raise RemoteProtocolError(f"unknown path {msg.path!r}")
+            if msg.layout is not None:
+                r.layout, r.blocks = msg.layout, dict(msg.blocks)
+            self.feed(f.PathReceived(f.Role.CTX, path))
+        elif isinstance(msg, x.XferGrant):
+            if self.machine.state(f.Role.CTX) is f.State.SENDING:
+                self._grants_tx.send_nowait(msg.slot)
+        elif isinstance(msg, x.XferDone):
+            self.done_msg = msg
+            self.feed(f.DataDoneReceived(f.Role.CTX, msg.writes, msg.bytes))
+        elif isinstance(msg, x.XferFail):
+            role = f.Role(msg.sender) if msg.sender in ("ctx", "gen") else self._remote_role()
+            if role is None:
+                return
+            self.feed(f.FailReceived(role, msg.code, msg.message, msg.writes_stopped))
+        # XferComplete: older daemons confirm a transfer; the data-done message already did
+
+    def _remote_role(self) -> f.Role | None:
+        others = [r for r in f.Role if r not in self.machine.here]
+        return others[0] if others else None
+
+    def _on_notif(self, n: x.Notif) -> None:
+        """A write of the peer landed here: count it; a bounce chunk is scattered next."""
+        st = self.machine.state(f.Role.GEN)
+        if f.Role.GEN not in self.machine.here or st in f.FINAL:
+            return  # late: the side ended (its slots and blocks stay ours until ctx stopped)
+        side = self.sides.get(f.Role.GEN)
+        if side is not None and n.slot < 0:
+            side.chunks_done += 1  # a direct/fragment write landed (bounce counts its scatters)
+        if n.slot >= 0 and st is not f.State.ABORTING:
+            self._pending_scatters += 1
+            self.feed(f.WritePosted(f.Role.GEN))
+            self._notifs_tx.send_nowait(n)
+        self.feed(f.NotifSeen(f.Role.GEN))
+
+    # -- actions ----------------------------------------------------------------------------------
+    async def _do(self, actions: list[f.Action]) -> None:
+        for a in actions:
+            if isinstance(a, f.Report):
+                self._report(a)
+            elif isinstance(a, f.StartData):
+                self._start(self._send_task if a.path is None else self._local_task)
+            elif isinstance(a, f.StartReceive):
+                self._start_receive(a.path)
+            elif isinstance(a, f.AbortWrites):
+                self._abort(a.role)
+            else:
+                await self._send(self._message(a))
+
+    def _start(self, fn: Callable[[], Any]) -> None:
+        assert self._nursery is not None
+        self._nursery.start_soon(fn)
+
+    def _abort(self, role: f.Role) -> None:
+        scope = self._scopes.get(role)
+        if scope is not None:
+            scope.cancel()  # each write ends (WriteEnded) once aborted and confirmed
+        elif role is f.Role.GEN and self._pending_scatters:
+            n, self._pending_scatters = self._pending_scatters, 0
+            self.feed(f.WriteEnded(f.Role.GEN, n))  # their scatters will never run
+
+    def _message(self, a: f.Action) -> x.XferMessage:
+        rid = self.request_id
+        if isinstance(a, f.SendOffer):
+            side = self.sides[f.Role.CTX]
+            self.round_trips += 0  # counted when the accept arrives
+            return x.XferOffer(request_id=rid, layout=side.layout, blocks=side.blocks_by_rank(),
+                               deadline_s=max(0.0, self.machine.deadline - trio.current_time()))
+        if isinstance(a, f.SendDestination):
+            side = self.sides[f.Role.GEN]
+            regions = {r: x.RemoteRegion(addr=p.pool.ptr, nbytes=p.pool.nbytes, device=p.pool.device)
+                       for r, p in side.parts.items()}
+            names = {r: p.pool.name for r, p in side.parts.items()}
+            if a.announced:
+                return x.XferAnnounce(request_id=rid, layout=side.layout, blocks=side.blocks_by_rank(),
+                                      pools=regions, pool_names=names, slots=self._pregrant(),
+                                      deadline_s=max(0.0, self.machine.deadline - trio.current_time()))
+            return x.XferAccept(request_id=rid, layout=side.layout, blocks=side.blocks_by_rank(),
+                                pools=regions, pool_names=names, slots=self._pregrant())
+        if isinstance(a, f.SendPath):
+            side = self.sides[f.Role.CTX]
+            return x.XferPath(request_id=rid, path=a.path.value, layout=side.layout, blocks=side.blocks_by_rank())
+        if isinstance(a, f.SendDataDone):
+            chunks = self.sent.chunks if self.sent is not None else a.writes
+            return x.XferDone(request_id=rid, writes=a.writes, bytes=a.nbytes, chunks=chunks)
+        if isinstance(a, f.SendFail):
+            sender = next(iter(self.machine.here)).value
+            return x.XferFail(request_id=rid, code=a.code, message=a.message,
+                              writes_stopped=a.writes_stopped, sender=sender)
+        raise InternalError(f"unexpected action {a!r}")
+
+    def _pregrant(self) -> list[int]:
+        """Receive slots granted with the announce, so a bounce transfer needs no round trip
+        either (free ones only, at most ``PREGRANT_SLOTS``: they sit idle until ``publish``)."""
+        staging = self.env.staging()
+        if staging is None or not self.env.cfg.grant_credits:
+            return []
+        slots: list[int] = []
+        while len(slots) < PREGRANT_SLOTS:
+            slot = staging.recv_slots.try_acquire(self.slot_owner)
+            if slot is None:
+                break
+            slots.append(slot)
+        self.pregranted = len(slots)
+        return slots
+
+    async def _send(self, msg: x.XferMessage) -> None:
+        """Send to the peer; a failure notice that cannot go now is owed to its next link."""
+        links = self.env.links()
+        link = links.links.get(self.peer) if links is not None else None
+        if link is None and links is not None and not isinstance(msg, x.XferFail):
+            # ctx offering before the link is up (the daemons start in any order): wait aside,
+            # the actor keeps serving (a cancel must not wait for the link)
+            if not self.machine.finished:
+                self._start(partial(self._send_when_linked, links, msg))
+            return
+        if link is not None:
+            if not self.peer_instance:
+                self.peer_instance = link.agent
+            try:
+                await link.send(msg)
+                return
+            except PeerUnavailable:
+                pass
+        if isinstance(msg, x.XferFail) and links is not None:
+            links.owe(self.peer, msg)
+
+    async def _send_when_linked(self, links: PeerLinks, msg: x.XferMessage) -> None:
+        with trio.move_on_at(self.machine.deadline), contextlib.suppress(PeerUnavailable):
+            link = await links.wait_for(self.peer)
+            if self.machine.finished or all(self.machine.state(r) in f.FINAL for r in self.machine.here):
+                return  # ended meanwhile: its failure notice (if any) is owed to the link
+            if not self.peer_instance:
+                self.peer_instance = link.agent
+            await link.send(msg)
+
+    # -- reports ----------------------------------------------------------------------------------
+    def _report(self, a: f.Report) -> None:
+        side = self.sides.get(a.role)
+        scope = self._scopes.get(a.role)
+        if scope is not None:
+            scope.cancel()  # e.g. the bounce receiver, idle now
+        if side is None:
+            log.info("transfer.dropped", peer=self.peer, role=a.role.value, code=a.code, reason=a.message)
+            return
+        path = self.machine.path.value if self.machine.path is not None else ""
+        duration = time.monotonic() - (side.started or side.created)
+        if a.ok:
+            sent, done = self.sent, self.done_msg
+            nbytes = sent.nbytes if sent is not None else done.bytes if done is not None else side.bytes_total
+            chunks = sent.chunks if sent is not None else done.chunks if done is not None else side.chunks_done
+            fallback = sent.fallback if sent is not None else "fragment" if path == "fragment" else ""
+            completion = m.Completion(request_id=self.request_id, ok=True, bytes=nbytes, duration_s=duration,
+                                      path=path, chunks=chunks, fallback=fallback, peer=self.peer)
+            side.bytes_total = side.bytes_done = nbytes
+        else:
+            completion = m.Completion(request_id=self.request_id, ok=False, bytes=side.bytes_done,
+                                      duration_s=duration, path=path, chunks=side.chunks_done, peer=self.peer,
+                                      error_code=a.code, error_message=a.message)
+        side.path = path
+        side.finish(completion)
+        self.env.on_report(self, side, completion)
+
+    # -- data path: ctx -----------------------------------------------------------------------------
+    async def _get_plan(self) -> Plan:
+        if self._plan is None:
+            ctx, gen = self.sides.get(f.Role.CTX), self.sides.get(f.Role.GEN)
+            r = self.remote
+            if r.layout is None and (ctx is None or gen is None):
+                raise RemoteProtocolError("no layout of the other side to plan with")
+            cl, cb = (ctx.layout, ctx.blocks_by_rank()) if ctx is not None else (r.layout, r.blocks)
+            gl, gb = (gen.layout, gen.blocks_by_rank()) if gen is not None else (r.layout, r.blocks)
+            assert cl is not None and gl is not None
+            self._plan = await make_plan(cl, gl, cb, gb)
+            for side in self.sides.values():
+                side.bytes_total = self._plan.total_bytes()
+        return self._plan
+
+    async def _guarded(self, role: f.Role, body: Callable[[], Any]) -> None:
+        """Run a data-path task of ``role`` under its cancel scope; failures go to the machine."""
+        scope = self._scopes[role] = trio.CancelScope()
+        try:
+            with scope:
+                await body()
+        except Exception as exc:
+            kvd_exc = _first_kvd_error(exc)
+            if kvd_exc is not None:
+                if self.machine.state(role) is not f.State.ABORTING:
+                    self.feed(f.LocalFailure(role, kvd_exc.code, kvd_exc.message))
+                return
+            log.exception("transfer.internal_error")
+            if self.machine.state(role) is not f.State.ABORTING:
+                self.feed(f.LocalFailure(role, InternalError.code, f"internal error: {type(exc).__name__}: {exc}"))
+        finally:
+            self._scopes.pop(role, None)
+
+    def _job(self, p: Plan, side: Side) -> Job:
+        cfg = self.env.cfg
+        return Job(request_id=self.request_id, owner=self.slot_owner, plan=p, src={r: part.pool for r, part in side.parts.items()},
+                   progress=_Progress(self, f.Role.CTX, side), chunk_bytes=cfg.chunk_mb << 20,
+                   descs_per_write=cfg.descs_per_write,
+                   gpu_chunk_bytes=cfg.gpu_chunk_mb << 20, stages=side.stages)
+
+    async def _local_task(self) -> None:
+        async def body() -> None:
+            ctx, gen = self.sides[f.Role.CTX], self.sides[f.Role.GEN]
+            ctx.started = gen.started = time.monotonic()
+            ctx.state = gen.state = "copying"
+            p = await self._get_plan()
+            ctx.mark("planned")
+            job = self._job(p, ctx)
+            job.dst = {r: part.pool.tensor() for r, part in gen.parts.items()}
+            self.sent = await local.send(job)
+            ctx.mark("data_out")
+            gen.bytes_done = self.sent.nbytes
+            self.feed(f.DataOut(f.Role.CTX, 0, self.sent.nbytes))
+
+        await self._guarded(f.Role.CTX, body)
+
+    async def _send_task(self) -> None:
+        async def body() -> None:
+            side = self.sides[f.Role.CTX]
+            side.started = time.monotonic()
+            side.state = "planning"
+            links = self.env.links()
+            link = links.links.get(self.peer) if links is not None else None
+            if link is None:
+                raise PeerUnavailable(f"request {self.request_id!r}: link to peer {self.peer} is down")
+            p = await self._get_plan()
+            side.mark("planned")
+            job = self._job(p, side)
+            job.nixl, job.remote_agent, job.remote_pools = self.env.nixl(), link.agent, self.remote.pools
+            side.state = "sending"
+            self.sent = await self._choose_and_send(job, link, p)
+            side.mark("data_out")
+            self.feed(f.DataOut(f.Role.CTX, self.sent.writes, self.sent.nbytes))
+
+        await self._guarded(f.Role.CTX, body)
+
+    async def _choose_and_send(self, job: Job, link: PeerLink, p: Plan) -> Sent:
+        names = self.remote.pool_names
+        maps = {r: link.mapped.get(name) for r, name in names.items()}
+        if maps and all(v is not None for v in maps.values()) and set(p.dst_ranks()) <= set(maps):
+            self.feed(f.PathChosen(f.Role.CTX, f.Path.MAPPED))
+            job.dst = {r: v.tensor for r, v in maps.items() if v is not None}
+            job.mapped = {r: v for r, v in maps.items() if v is not None}
+            return await mapped.send(job)
+        if p.direct:
+            self.feed(f.PathChosen(f.Role.CTX, f.Path.DIRECT))
+            return await direct.send(job)
+        self.feed(f.PathChosen(f.Role.CTX, f.Path.BOUNCE))
+        bp = bounce_chunks(p, self.env.cfg.chunk_mb << 20)
+        self.sides[f.Role.CTX].chunks_total = len(bp.chunks)
+        first: int | None = None
+        if self._grants_rx.statistics().current_buffer_used == 0:
+            self.round_trips += 1  # path out, first grant back (none came with the destination)
+        with trio.move_on_after(self.env.cfg.bounce_wait_s):
+            first = await self._grants_rx.receive()
+        if first is None:
+            reason = f"no receive credit from {self.peer} within bounce_wait_s={self.env.cfg.bounce_wait_s}"
+            log.warning("transfer.bounce_fallback", peer=self.peer, reason=reason, fragments=p.num_fragments())
+            self.feed(f.PathChosen(f.Role.CTX, f.Path.FRAGMENT))
+            return await fragment.send(job)
+        staging = self.env.staging()
+        if staging is None:
+            raise PeerUnavailable("this daemon has no staging for the bounce path")
+        job.grants = self._grants_rx.receive
+        job.staging, job.slot_pool = staging.send, staging.send_slots
+        job.remote_region, job.remote_slot_bytes = link.bounce, link.slot_bytes
+        return await bounce.send(job, bp, first)
+
+    # -- data path: gen -------------------------------------------------------------------------------
+    def _start_receive(self, path: f.Path) -> None:
+        side = self.sides.get(f.Role.GEN)
+        if side is not None:
+            side.state = "receiving"
+            side.started = side.started or time.monotonic()
+        scope = self._scopes.get(f.Role.GEN)
+        if path is not f.Path.BOUNCE:
+            if scope is not None:  # ctx switched to per-fragment writes: no slot will be used
+                scope.cancel()
+            staging = self.env.staging()
+            if self.pregranted and staging is not None and not self._pending_scatters:
+                staging.recv_slots.release_owner(self.slot_owner)  # ctx writes into the blocks
+                self.pregranted = 0
+            return
+        if scope is None:
+            self._start(self._receive_task)
+
+    async def _receive_task(self) -> None:
+        async def body() -> None:
+            side = self.sides[f.Role.GEN]
+            p = await self._get_plan()
+            staging = self.env.staging()
+            links = self.env.links()
+            if staging is None or links is None or self.peer not in links.links:
+                raise PeerUnavailable("no receive staging or no link for the bounce path")
+            link = links.links[self.peer]
+            bp: BouncePlan = bounce_chunks(p, staging.recv.slot_bytes)
+            side.chunks_total = len(bp.chunks)
+            rid = self.request_id
+
+            async def grant(slot: int) -> None:
+                await link.send(x.XferGrant(request_id=rid, slot=slot))
+
+            progress = _ScatterProgress(self, side)
+            receiver = bounce.Receiver(rid, self.slot_owner, bp, {r: part.pool for r, part in side.parts.items()},
+                                       staging.recv, staging.recv_slots, progress, grant, granted=self.pregranted,
+                                       withhold=not self.env.cfg.grant_credits)
+            if receiver.withhold:
+                log.warning("transfer.credits_withheld", reason="transfer.grant_credits = false")
+            try:
+                await receiver.run(self._notifs_rx)
+            finally:
+                # chunks notified but never scattered (aborted): their scatters will not run
+                if self._pending_scatters:
+                    n, self._pending_scatters = self._pending_scatters, 0
+                    self.feed(f.WriteEnded(f.Role.GEN, n))
+
+        await self._guarded(f.Role.GEN, body)
+
+    def scatters_ended(self, n: int) -> None:
+        self._pending_scatters -= n
+        self.feed(f.WriteEnded(f.Role.GEN, n))
+
+    # -- inspection ------------------------------------------------------------------------------------
+    def info(self) -> list[m.TransferInfo]:
+        return [msgspec.structs.replace(s.info(), state=s.state if s.completion else self._state_of(r))
+                for r, s in self.sides.items()]
+
+    def _state_of(self, role: f.Role) -> str:
+        return self.machine.state(role).value

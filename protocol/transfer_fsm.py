@@ -1,0 +1,740 @@
+"""The transfer protocol as a sans-IO state machine (h11 style): no I/O, no clocks.
+
+One :class:`TransferMachine` per request holds the state of BOTH sides, ctx (the sender) and
+gen (the receiver). A daemon feeds it events for the sides it hosts (``here``: executors
+registered, writes posted and ended, notifications seen, cancel, disconnect, local failures)
+and the peer's transfer-control messages for the other side; time is an input
+(:class:`Clock`). Each :meth:`TransferMachine.handle` returns the actions the daemon must
+carry out (send a message, start or abort the data path, report to the executors). Both
+daemons run the same machine, so they agree on what happened; with ctx and gen on one daemon
+both sides are ``here`` and nothing is sent.
+
+Per side, the states move along :data:`TRANSITIONS` (``{role: {state: {event type: new
+state}}}``; a pair not in the table is a protocol error naming who broke the rules:
+:class:`~protocol.errors.LocalProtocolError` for our own events,
+:class:`~protocol.errors.RemoteProtocolError` for the peer's messages). The few transitions
+that depend on both sides are the joint rules under the table, applied to a fixed point after
+every event:
+
+- **destination**: gen is ready and either named its ctx peer (``expect(peer=...)``) or has
+  an offer → send the destination (layout, blocks, pools, receive slots) — unasked in the
+  first case (an *announce*), as the accept in the second;
+- **offer**: ctx is ready and knows no destination → send an offer (today's flow);
+- **start**: ctx is ready and knows the destination → start the data path (zero peer round
+  trips when the destination was announced before ``publish``);
+- **complete**: ctx's data is out (``DataOut`` here, ``XferDone`` from the peer) and gen has
+  seen every write notification and finished its own scatters → gen is done;
+- **spread**: one side aborting or failed → the other aborts too;
+- **report**: a side that is aborting reports failure (and gives its blocks and slots back)
+  only once no write can land any more: ctx when its own writes are over; gen when its own
+  scatters are over and ctx cannot write (it never got the destination, or said its writes
+  stopped, or its data was out, or the peer was fenced — it reconnected as a new instance).
+
+A late message (a notification or a failure after the side ended) is absorbed by the table
+(``FAILED`` keeps ``FAILED``); only a message that could never be valid raises.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+from protocol.errors import (
+    LocalProtocolError,
+    PeerUnavailable,
+    RemoteProtocolError,
+    TransferCancelled,
+    TransferTimeout,
+)
+
+__all__ = [
+    "FINAL",
+    "JOINT",
+    "LOCAL_EVENTS",
+    "REMOTE_EVENTS",
+    "TRANSITIONS",
+    "AbortWrites",
+    "Action",
+    "Cancel",
+    "Clock",
+    "DataDoneReceived",
+    "DataOut",
+    "DestinationReceived",
+    "Disconnect",
+    "Event",
+    "FailReceived",
+    "LocalFailure",
+    "NotifSeen",
+    "OfferReceived",
+    "Path",
+    "PathChosen",
+    "PathReceived",
+    "PeerFenced",
+    "PeerLost",
+    "RankRegistered",
+    "Report",
+    "Role",
+    "SendDataDone",
+    "SendDestination",
+    "SendFail",
+    "SendOffer",
+    "SendPath",
+    "SideComplete",
+    "SideState",
+    "StartData",
+    "StartReceive",
+    "State",
+    "TransferMachine",
+    "WriteEnded",
+    "WritePosted",
+]
+
+
+class Role(enum.Enum):
+    """The two sides of a transfer."""
+
+    CTX = "ctx"  # sender: the prefill (context) executors' KV
+    GEN = "gen"  # receiver: the decode (generation) executors' blocks
+
+    @property
+    def other(self) -> Role:
+        return Role.GEN if self is Role.CTX else Role.CTX
+
+
+class State(enum.Enum):
+    """A side's state. ctx and gen use different subsets (see :data:`TRANSITIONS`)."""
+
+    IDLE = "idle"  # nothing known yet
+    REGISTERING = "registering"  # some ranks registered, not all
+    READY = "ready"  # every rank registered
+    OFFERED = "offered"  # ctx: offer sent (or, seen from gen, received)
+    DEST_OUT = "dest_out"  # gen: destination handed to ctx (announce or accept): writes may land
+    SENDING = "sending"  # ctx: the data path runs
+    RECEIVING = "receiving"  # gen: ctx said which path it takes
+    DONE = "done"  # final: success
+    ABORTING = "aborting"  # failed; writes may still be in flight
+    FAILED = "failed"  # final: failure reported, no write can land any more
+
+
+#: States a side never leaves.
+FINAL = frozenset({State.DONE, State.FAILED})
+
+
+class Path(enum.Enum):
+    """How the bytes move."""
+
+    LOCAL = "local"  # ctx and gen pools on one daemon
+    MAPPED = "mapped"  # the peer's pools are mapped here (same node / NVLink domain)
+    DIRECT = "direct"  # equal layouts: whole blocks written straight into the peer's pools
+    BOUNCE = "bounce"  # gather into staging, NIXL write into receive slots, scatter
+    FRAGMENT = "fragment"  # no receive slot in time: one NIXL descriptor per fragment
+
+
+# --- events ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Event:
+    """Base of the events; ``role`` is the side the event is about."""
+
+    role: Role
+
+
+# events of a side hosted here (from its executors and the engine)
+@dataclass(frozen=True)
+class RankRegistered(Event):
+    """A rank registered; more are to come. ``deadline`` on the caller's clock."""
+
+    deadline: float = math.inf
+
+
+@dataclass(frozen=True)
+class SideComplete(Event):
+    """The last rank registered. ``peer_named``: gen's ``expect`` named its ctx peer."""
+
+    deadline: float = math.inf
+    peer_named: bool = False
+
+
+@dataclass(frozen=True)
+class PathChosen(Event):
+    """ctx planned and picked its path (after :class:`StartData`)."""
+
+    path: Path = Path.DIRECT
+
+
+@dataclass(frozen=True)
+class WritePosted(Event):
+    """``n`` writes into gen memory started: ctx NIXL writes/copies, or gen scatters."""
+
+    n: int = 1
+
+
+@dataclass(frozen=True)
+class WriteEnded(Event):
+    """``n`` writes reached a final state (completed, or aborted and confirmed)."""
+
+    n: int = 1
+
+
+@dataclass(frozen=True)
+class DataOut(Event):
+    """ctx: every write is complete; ``writes`` notifications are on their way to gen."""
+
+    writes: int = 0
+    nbytes: int = 0
+
+
+@dataclass(frozen=True)
+class NotifSeen(Event):
+    """gen: a NIXL notification of one ctx write arrived."""
+
+
+@dataclass(frozen=True)
+class Cancel(Event):
+    """An executor (or an operator) cancelled the request."""
+
+    reason: str = "cancelled"
+
+
+@dataclass(frozen=True)
+class Disconnect(Event):
+    """An executor of the side disconnected before the side ended."""
+
+    reason: str = "executor disconnected"
+
+
+@dataclass(frozen=True)
+class LocalFailure(Event):
+    """The data path (planning, NIXL, copy) failed here; ``code`` is a protocol.errors code."""
+
+    code: str = "transfer_failed"
+    message: str = ""
+
+
+# messages of the peer, about ITS side (role = the sender's side)
+@dataclass(frozen=True)
+class OfferReceived(Event):
+    """``XferOffer``: ctx is ready and asks for a destination."""
+
+    deadline: float = math.inf
+
+
+@dataclass(frozen=True)
+class DestinationReceived(Event):
+    """``XferAnnounce`` (unasked) or ``XferAccept`` (answer to an offer)."""
+
+    deadline: float = math.inf
+    announced: bool = False
+
+
+@dataclass(frozen=True)
+class PathReceived(Event):
+    """``XferPath``: ctx started writing along ``path``."""
+
+    path: Path = Path.DIRECT
+
+
+@dataclass(frozen=True)
+class DataDoneReceived(Event):
+    """``XferDone``: ctx's data is out; ``writes`` notifications belong to it."""
+
+    writes: int = 0
+    nbytes: int = 0
+
+
+@dataclass(frozen=True)
+class FailReceived(Event):
+    """``XferFail``: the peer's side failed; ``writes_stopped``: none of its writes can land."""
+
+    code: str = "transfer_failed"
+    message: str = ""
+    writes_stopped: bool = True
+
+
+# events without a side
+@dataclass(frozen=True)
+class Clock:
+    """The time now (same clock as the deadlines); expires sides past their deadline."""
+
+    now: float
+
+
+@dataclass(frozen=True)
+class PeerLost:
+    """The link to the peer broke (heartbeat timeout, EOF). Its writes may still land."""
+
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class PeerFenced:
+    """The peer proved that none of its writes can land any more (it came back as a new
+    instance: the old process is gone)."""
+
+
+# --- actions -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Action:
+    """Base of the actions the daemon carries out."""
+
+
+@dataclass(frozen=True)
+class SendOffer(Action):
+    pass
+
+
+@dataclass(frozen=True)
+class SendDestination(Action):
+    """Send gen's destination; ``announced``: unasked (gen named its peer)."""
+
+    announced: bool
+
+
+@dataclass(frozen=True)
+class SendPath(Action):
+    path: Path
+
+
+@dataclass(frozen=True)
+class SendDataDone(Action):
+    writes: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class SendFail(Action):
+    code: str
+    message: str
+    writes_stopped: bool
+
+
+@dataclass(frozen=True)
+class StartData(Action):
+    """Plan and run the data path (``path`` is set for the local path, else ctx chooses)."""
+
+    path: Path | None = None
+
+
+@dataclass(frozen=True)
+class StartReceive(Action):
+    """gen: ctx took ``path``; set up what receiving needs (bounce: grant slots, scatter)."""
+
+    path: Path
+
+
+@dataclass(frozen=True)
+class AbortWrites(Action):
+    """Abort the side's in-flight writes; each one reports :class:`WriteEnded` when final."""
+
+    role: Role
+
+
+@dataclass(frozen=True)
+class Report(Action):
+    """Tell the side's executors the outcome and give its leases (blocks, slots) back."""
+
+    role: Role
+    ok: bool
+    code: str = ""
+    message: str = ""
+
+
+# --- the table ---------------------------------------------------------------------------
+# (the joint rules that move a side further without an event of its own are in JOINT below)
+
+_S = State
+_FAILURES: dict[type[Event], State] = {Cancel: _S.ABORTING, Disconnect: _S.ABORTING, LocalFailure: _S.ABORTING}
+
+
+def _keep(state: State, *events: type[Event]) -> dict[type[Event], State]:
+    return dict.fromkeys(events, state)
+
+
+#: ``{role: {state: {event type: new state}}}``. Events of a side hosted here (registration,
+#: writes, cancel...) and the peer's messages about its side share one table: which of them
+#: may occur depends on whether the side is hosted here (checked before the lookup).
+TRANSITIONS: dict[Role, dict[State, dict[type[Event], State]]] = {
+    Role.CTX: {
+        _S.IDLE: {
+            RankRegistered: _S.REGISTERING, SideComplete: _S.READY,
+            OfferReceived: _S.OFFERED, PathReceived: _S.SENDING,
+            FailReceived: _S.FAILED, **_FAILURES,
+        },
+        _S.REGISTERING: {
+            RankRegistered: _S.REGISTERING, SideComplete: _S.READY, **_FAILURES,
+        },
+        _S.READY: {**_FAILURES},
+        _S.OFFERED: {PathReceived: _S.SENDING, FailReceived: _S.FAILED, **_FAILURES},
+        _S.SENDING: {
+            # PathReceived: the peer's ctx switched bounce → fragment
+            PathChosen: _S.SENDING, PathReceived: _S.SENDING, **_keep(_S.SENDING, WritePosted, WriteEnded),
+            DataOut: _S.DONE, DataDoneReceived: _S.DONE, FailReceived: _S.FAILED, **_FAILURES,
+        },
+        _S.DONE: {FailReceived: _S.DONE, **_keep(_S.DONE, Cancel, Disconnect)},
+        _S.ABORTING: {
+            **_keep(_S.ABORTING, WriteEnded, PathChosen, Cancel, Disconnect, LocalFailure),
+            FailReceived: _S.FAILED,
+        },
+        _S.FAILED: {**_keep(_S.FAILED, FailReceived, Cancel, Disconnect, LocalFailure, DataDoneReceived,
+                                PathReceived)},
+    },
+    Role.GEN: {
+        _S.IDLE: {
+            RankRegistered: _S.REGISTERING, SideComplete: _S.READY,
+            DestinationReceived: _S.DEST_OUT, FailReceived: _S.FAILED, **_FAILURES,
+        },
+        _S.REGISTERING: {
+            RankRegistered: _S.REGISTERING, SideComplete: _S.READY, **_FAILURES,
+        },
+        _S.READY: {**_FAILURES},
+        _S.DEST_OUT: {
+            NotifSeen: _S.DEST_OUT, **_keep(_S.DEST_OUT, WritePosted, WriteEnded),
+            FailReceived: _S.FAILED, **_FAILURES,
+        },
+        _S.RECEIVING: {
+            PathReceived: _S.RECEIVING,  # bounce → fragment: no receive slot came in time
+            NotifSeen: _S.RECEIVING, **_keep(_S.RECEIVING, WritePosted, WriteEnded),
+            FailReceived: _S.FAILED, **_FAILURES,
+        },
+        _S.DONE: {**_keep(_S.DONE, FailReceived, Cancel, Disconnect)},
+        _S.ABORTING: {
+            **_keep(_S.ABORTING, NotifSeen, WritePosted, WriteEnded, Cancel, Disconnect, LocalFailure),
+            FailReceived: _S.FAILED,
+        },
+        _S.FAILED: {**_keep(_S.FAILED, NotifSeen, FailReceived, Cancel, Disconnect, LocalFailure)},
+    },
+}
+
+#: Where the joint rules (code under the table) may move a side on their own; with
+#: :data:`TRANSITIONS` this is the whole state graph (docs/design.md draws it).
+JOINT: dict[Role, dict[State, frozenset[State]]] = {
+    Role.CTX: {
+        _S.READY: frozenset({_S.OFFERED, _S.SENDING, _S.ABORTING}),
+        _S.OFFERED: frozenset({_S.SENDING, _S.ABORTING}),
+        _S.IDLE: frozenset({_S.ABORTING}),
+        _S.REGISTERING: frozenset({_S.ABORTING}),
+        _S.SENDING: frozenset({_S.ABORTING}),
+        _S.ABORTING: frozenset({_S.FAILED}),
+    },
+    Role.GEN: {
+        _S.READY: frozenset({_S.DEST_OUT, _S.RECEIVING, _S.ABORTING}),
+        _S.IDLE: frozenset({_S.ABORTING}),
+        _S.REGISTERING: frozenset({_S.ABORTING}),
+        _S.DEST_OUT: frozenset({_S.RECEIVING, _S.DONE, _S.ABORTING}),  # receiving: ctx's path message
+        _S.RECEIVING: frozenset({_S.DONE, _S.ABORTING}),
+        _S.ABORTING: frozenset({_S.FAILED}),
+    },
+}
+
+#: Event types a side hosted here produces (the rest are the peer's messages about its side).
+LOCAL_EVENTS: frozenset[type[Event]] = frozenset({
+    RankRegistered, SideComplete, PathChosen, WritePosted, WriteEnded, DataOut, NotifSeen,
+    Cancel, Disconnect, LocalFailure,
+})
+#: Peer messages and the side that sends them.
+REMOTE_EVENTS: dict[type[Event], frozenset[Role]] = {
+    OfferReceived: frozenset({Role.CTX}),
+    PathReceived: frozenset({Role.CTX}),
+    DataDoneReceived: frozenset({Role.CTX}),
+    DestinationReceived: frozenset({Role.GEN}),
+    FailReceived: frozenset({Role.CTX, Role.GEN}),
+}
+#: Local events that only one side produces.
+_LOCAL_ONLY: dict[type[Event], Role] = {PathChosen: Role.CTX, DataOut: Role.CTX, NotifSeen: Role.GEN}
+
+
+@dataclass
+class SideState:
+    """One side's state as this daemon knows it."""
+
+    state: State = State.IDLE
+    in_flight: int = 0  # writes (ctx) or scatters (gen) started here and not final yet
+    code: str = ""  # why it failed
+    message: str = ""
+    reported: bool = False
+
+
+@dataclass
+class TransferMachine:
+    """The protocol state of one request, both sides; see the module docstring."""
+
+    here: set[Role]
+    deadline: float = math.inf
+    path: Path | None = None
+    peer_named: bool = False  # gen named its ctx peer: announce its destination unasked
+    dest_out: bool = False  # gen's destination was handed to ctx: ctx writes may land
+    notifs: int = 0  # write notifications gen saw
+    writes_expected: int = -1  # from ctx's DataOut / XferDone; -1 = not known yet
+    nbytes: int = 0
+    fenced: bool = False  # the peer can no longer write
+    fail_sent: bool = False  # our one XferFail went out
+    talked: bool = False  # a message went to or came from the peer
+    ctx: SideState = field(default_factory=SideState)
+    gen: SideState = field(default_factory=SideState)
+
+    # -- inspection ---------------------------------------------------------------------
+    def side(self, role: Role) -> SideState:
+        return self.ctx if role is Role.CTX else self.gen
+
+    def state(self, role: Role) -> State:
+        return self.side(role).state
+
+    @property
+    def finished(self) -> bool:
+        """Every side hosted here is final and reported."""
+        return all(self.side(r).state in FINAL and self.side(r).reported for r in self.here)
+
+    @property
+    def local(self) -> bool:
+        """ctx and gen both on this daemon (the local path)."""
+        return len(self.here) == 2
+
+    def host(self, role: Role) -> None:
+        """``role`` registers on this daemon too (a gen side without a named peer, then a ctx
+        publishing to this very daemon). Only before the peer said anything about it."""
+        if role in self.here:
+            return
+        if self.side(role).state is not State.IDLE or self.talked:
+            raise LocalProtocolError(f"{role.value} side is already played by the peer")
+        self.here.add(role)
+
+    # -- feeding ------------------------------------------------------------------------
+    def handle(self, event: Event | Clock | PeerLost | PeerFenced) -> list[Action]:
+        """Apply one event; return the actions to carry out, in order."""
+        out: list[Action] = []
+        if isinstance(event, Clock):
+            if event.now >= self.deadline:
+                for role in sorted(self.here, key=lambda r: r.value):
+                    if self.side(role).state not in FINAL and self.side(role).state is not State.ABORTING:
+                        self._fail(role, TransferTimeout.code,
+                                   f"{role.value} side missed its deadline (state {self.side(role).state.value})", out)
+        elif isinstance(event, PeerLost):
+            for role in sorted(self.here, key=lambda r: r.value):
+                if self.side(role).state not in FINAL and self.side(role).state is not State.ABORTING:
+                    self._fail(role, PeerUnavailable.code, f"peer link lost: {event.reason}", out)
+        elif isinstance(event, PeerFenced):
+            self.fenced = True
+            remote = self._remote()
+            if remote is not None and self.side(remote).state not in FINAL:
+                s = self.side(remote)
+                s.state, s.code, s.message = State.FAILED, PeerUnavailable.code, "peer fenced"
+        else:
+            self._apply(event, out)
+        self._joint(out)
+        return out
+
+    def _remote(self) -> Role | None:
+        others = [r for r in Role if r not in self.here]
+        return others[0] if others else None
+
+    def _apply(self, event: Event, out: list[Action]) -> None:
+        etype = type(event)
+        role = event.role
+        hosted = role in self.here
+        if etype in LOCAL_EVENTS:
+            if not hosted:
+                raise LocalProtocolError(f"{etype.__name__} for the {role.value} side, which the peer plays")
+            only = _LOCAL_ONLY.get(etype)
+            if only is not None and only is not role:
+                raise LocalProtocolError(f"{etype.__name__} is a {only.value}-side event, got it for {role.value}")
+        else:
+            senders = REMOTE_EVENTS.get(etype)
+            if senders is None or role not in senders:
+                raise LocalProtocolError(f"unknown event {etype.__name__} for {role.value}")
+            if hosted:
+                raise RemoteProtocolError(
+                    f"peer sent {etype.__name__} about the {role.value} side, which this daemon plays"
+                )
+            self.talked = True
+        side = self.side(role)
+        new = TRANSITIONS[role][side.state].get(etype)
+        if new is None:
+            err = LocalProtocolError if hosted else RemoteProtocolError
+            raise err(f"{etype.__name__} not allowed while the {role.value} side is {side.state.value}")
+        self._effects(event, side, new, out)
+
+    def _effects(self, event: Event, side: SideState, new: State, out: list[Action]) -> None:
+        """The bookkeeping of one table transition (counters, deadlines, failures)."""
+        role = event.role
+        if isinstance(event, RankRegistered | SideComplete | OfferReceived | DestinationReceived):
+            self.deadline = min(self.deadline, event.deadline)
+        if isinstance(event, SideComplete):
+            self.peer_named = self.peer_named or event.peer_named
+        elif isinstance(event, DestinationReceived):
+            self.dest_out = True
+        elif isinstance(event, PathReceived):
+            if not self.dest_out:
+                raise RemoteProtocolError("ctx announced a path before gen handed out its destination")
+            self.path = event.path
+            if self.gen.state in (State.DEST_OUT, State.RECEIVING):
+                self.gen.state = State.RECEIVING
+                out.append(StartReceive(event.path))
+        elif isinstance(event, PathChosen):
+            self.path = event.path
+            if side.state is State.SENDING and Role.GEN not in self.here:
+                out.append(SendPath(event.path))
+        elif isinstance(event, WritePosted):
+            if side.state is State.ABORTING and role is Role.CTX:
+                raise LocalProtocolError("write posted after the ctx side began aborting")
+            side.in_flight += event.n
+        elif isinstance(event, WriteEnded):
+            if side.in_flight < event.n:
+                raise LocalProtocolError(f"{event.n} writes ended but only {side.in_flight} were in flight")
+            side.in_flight -= event.n
+        elif isinstance(event, NotifSeen):
+            if side.state not in FINAL and side.state is not State.ABORTING:
+                self.notifs += 1
+        elif isinstance(event, DataOut):
+            if side.in_flight:
+                raise LocalProtocolError(f"data out with {side.in_flight} writes still in flight")
+            self.writes_expected, self.nbytes = event.writes, event.nbytes
+            side.state = State.DONE
+            if not self.local:
+                out.append(SendDataDone(event.writes, event.nbytes))
+                self.talked = True
+            self._report(Role.CTX, out)
+            return
+        elif isinstance(event, DataDoneReceived):
+            if side.state is State.SENDING:
+                self.writes_expected, self.nbytes = event.writes, event.nbytes
+        elif isinstance(event, FailReceived):
+            if side.state not in FINAL:
+                side.code, side.message = event.code, event.message
+                if not event.writes_stopped:
+                    new = State.ABORTING
+            return self._set(side, new)
+        if isinstance(event, Cancel | Disconnect | LocalFailure):
+            if side.state in FINAL or side.state is State.ABORTING:
+                return  # late: the side already ended or is ending
+            if isinstance(event, LocalFailure):
+                self._fail(role, event.code, event.message, out)
+            else:
+                self._fail(role, TransferCancelled.code, event.reason, out)
+            return
+        self._set(side, new)
+
+    @staticmethod
+    def _set(side: SideState, new: State) -> None:
+        if side.state not in FINAL:
+            side.state = new
+
+    def _fail(self, role: Role, code: str, message: str, out: list[Action]) -> None:
+        """A hosted side starts aborting: stop its writes; gen tells ctx at once."""
+        side = self.side(role)
+        side.state, side.code, side.message = State.ABORTING, code, message
+        if side.in_flight:
+            out.append(AbortWrites(role))
+        if role is Role.GEN and not self.local and self.talked and not self.fail_sent \
+                and self.ctx.state not in (State.DONE, State.FAILED, State.ABORTING):
+            # gen never writes into ctx memory: its writes have "stopped" from the start
+            out.append(SendFail(code, message, writes_stopped=True))
+            self.fail_sent = True
+
+    def _report(self, role: Role, out: list[Action]) -> None:
+        side = self.side(role)
+        if side.reported:
+            return
+        side.reported = True
+        ok = side.state is State.DONE
+        out.append(Report(role, ok, "" if ok else side.code, "" if ok else side.message))
+
+    def _ctx_quiet(self) -> bool:
+        """No ctx write can land in gen's memory any more."""
+        c = self.ctx
+        if c.state in FINAL or self.fenced:
+            return True
+        if Role.CTX in self.here:
+            return c.state is not State.SENDING and not (c.state is State.ABORTING and c.in_flight)
+        return not self.dest_out
+
+    # -- joint rules ----------------------------------------------------------------------
+    def _joint(self, out: list[Action]) -> None:
+        changed = True
+        while changed:
+            changed = self._step(out)
+
+    def _step(self, out: list[Action]) -> bool:
+        c, g = self.ctx, self.gen
+        ctx_here, gen_here = Role.CTX in self.here, Role.GEN in self.here
+        # spread: a side aborting or failed takes the other one down
+        for role in self.here:
+            me, other = self.side(role), self.side(role.other)
+            if me.state not in FINAL and me.state is not State.ABORTING and other.state in (State.ABORTING, State.FAILED):
+                self._fail(role, other.code or "transfer_failed",
+                           f"{role.other.value} side failed: {other.message}", out)
+                return True
+        # report failure once no write can land
+        for role in sorted(self.here, key=lambda r: r.value):
+            me = self.side(role)
+            if me.state is State.ABORTING and me.in_flight == 0 and (role is Role.CTX or self._ctx_quiet()):
+                me.state = State.FAILED
+                self._report(role, out)
+                if role is Role.CTX and not gen_here and self.talked and not self.fail_sent:
+                    out.append(SendFail(me.code, me.message, writes_stopped=True))
+                    self.fail_sent = True
+                return True
+        # tell: a side that failed before the peer spoke up answers it (no waiting for deadlines)
+        remote = self._remote()
+        if remote is not None and not self.fail_sent and self.side(remote).state in (
+                State.OFFERED, State.DEST_OUT, State.SENDING, State.RECEIVING):
+            me = self.side(remote.other)
+            if me.state is State.FAILED:
+                out.append(SendFail(me.code, me.message, writes_stopped=True))
+                self.fail_sent = True
+                return True
+        if ctx_here and gen_here:
+            # local path: both ready → copy pool to pool
+            if c.state is State.READY and g.state is State.READY:
+                c.state, g.state = State.SENDING, State.RECEIVING
+                self.path = Path.LOCAL
+                self.dest_out = True
+                out.append(StartData(Path.LOCAL))
+                return True
+        elif gen_here:
+            if g.state is State.READY and (self.peer_named or c.state is State.OFFERED):
+                g.state = State.DEST_OUT
+                self.dest_out = True
+                self.talked = True
+                out.append(SendDestination(announced=c.state is not State.OFFERED))
+                return True
+        elif ctx_here:
+            if c.state in (State.READY, State.OFFERED) and g.state is State.DEST_OUT:
+                c.state = State.SENDING
+                out.append(StartData())
+                return True
+            if c.state is State.READY and g.state is State.IDLE:
+                c.state = State.OFFERED
+                self.talked = True
+                out.append(SendOffer())
+                return True
+        # gen complete: ctx's data out, every notification seen, own scatters over
+        if (gen_here and g.state in (State.DEST_OUT, State.RECEIVING) and c.state is State.DONE
+                and self.notifs >= max(self.writes_expected, 0) and g.in_flight == 0):
+            g.state = State.DONE
+            self._report(Role.GEN, out)
+            return True
+        return False
+
+
+def mermaid(role: Role) -> str:
+    """The state graph of ``role`` as a mermaid ``stateDiagram-v2``, drawn from :data:`TRANSITIONS`
+    (events; ``peer:`` marks the peer's messages) and :data:`JOINT` (``joint`` rules). Events
+    that keep the state (write counters, late messages) are left out."""
+    lines = ["stateDiagram-v2", "    [*] --> idle"]
+    edges: dict[tuple[State, State], list[str]] = {}
+    for state, row in TRANSITIONS[role].items():
+        for etype, new in row.items():
+            if new is not state:
+                label = etype.__name__ if etype in LOCAL_EVENTS else f"peer: {etype.__name__}"
+                edges.setdefault((state, new), []).append(label)
+    for state, targets in JOINT[role].items():
+        for new in sorted(targets, key=lambda s: s.value):
+            edges.setdefault((state, new), []).append("joint")
+    for (a, b), labels in sorted(edges.items(), key=lambda kv: (kv[0][0].value, kv[0][1].value)):
+        lines.append(f"    {a.value} --> {b.value} : {', '.join(sorted(set(labels)))}")
+    lines += ["    done --> [*]", "    failed --> [*]"]
+    return "\n".join(lines) + "\n"

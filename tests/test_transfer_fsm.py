@@ -1,0 +1,503 @@
+"""The transfer state machine, without a daemon: every state x every event, the joint rules,
+duplicates, reordering, late messages after failure, deadlines, and a pair of machines wired
+back to back (what two daemons do) under shuffled delivery. Runs in milliseconds."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+from collections.abc import Callable
+
+import pytest
+
+from protocol.errors import LocalProtocolError, RemoteProtocolError
+from protocol.transfer_fsm import (
+    FINAL,
+    JOINT,
+    LOCAL_EVENTS,
+    REMOTE_EVENTS,
+    TRANSITIONS,
+    AbortWrites,
+    Action,
+    Cancel,
+    Clock,
+    DataDoneReceived,
+    DataOut,
+    DestinationReceived,
+    Disconnect,
+    Event,
+    FailReceived,
+    LocalFailure,
+    NotifSeen,
+    OfferReceived,
+    Path,
+    PathChosen,
+    PathReceived,
+    PeerFenced,
+    PeerLost,
+    RankRegistered,
+    Report,
+    Role,
+    SendDataDone,
+    SendDestination,
+    SendFail,
+    SendOffer,
+    SendPath,
+    SideComplete,
+    StartData,
+    StartReceive,
+    State,
+    TransferMachine,
+    WriteEnded,
+    WritePosted,
+)
+
+CTX, GEN = Role.CTX, Role.GEN
+ALL_EVENTS: list[type[Event]] = sorted(LOCAL_EVENTS | set(REMOTE_EVENTS), key=lambda t: t.__name__)
+
+
+def make(role: Role) -> Callable[[type[Event]], Event]:
+    def build(etype: type[Event]) -> Event:
+        return etype(role)
+
+    return build
+
+
+def reports(actions: list[Action]) -> list[Report]:
+    return [a for a in actions if isinstance(a, Report)]
+
+
+# --- every state x every event ---------------------------------------------------------------
+
+
+def _cases() -> list[tuple[Role, bool, State, type[Event]]]:
+    out = []
+    for role in Role:
+        for hosted in (True, False):
+            for state in TRANSITIONS[role]:
+                for etype in ALL_EVENTS:
+                    out.append((role, hosted, state, etype))
+    return out
+
+
+def _legal(role: Role, hosted: bool, etype: type[Event]) -> type[Exception] | None:
+    """Who broke the rules when ``etype`` about ``role`` arrives, before the table is asked."""
+    if etype in LOCAL_EVENTS:
+        if not hosted:
+            return LocalProtocolError
+        only = {PathChosen: CTX, DataOut: CTX, NotifSeen: GEN}.get(etype)
+        return LocalProtocolError if only is not None and only is not role else None
+    if role not in REMOTE_EVENTS[etype]:
+        return LocalProtocolError
+    return RemoteProtocolError if hosted else None
+
+
+@pytest.mark.parametrize(("role", "hosted", "state", "etype"), _cases(),
+                         ids=lambda v: getattr(v, "name", getattr(v, "__name__", str(v))))
+def test_every_state_every_event(role: Role, hosted: bool, state: State, etype: type[Event]) -> None:
+    """Each (side, state, event) either follows the table (then maybe a joint rule) or raises
+    the named error of whoever broke the rules; never a silent ignore of an unknown pair."""
+    m = TransferMachine(here={role} if hosted else {role.other})
+    m.side(role).state = state
+    m.dest_out = True  # a path message is only valid once gen handed its destination out
+    if etype in (WriteEnded,):
+        m.side(role).in_flight = 1
+    if etype is DataDoneReceived or etype is PathReceived:
+        m.talked = True
+    pre = _legal(role, hosted, etype)
+    table = TRANSITIONS[role][state].get(etype)
+    if pre is None and table is None:
+        pre = LocalProtocolError if hosted else RemoteProtocolError
+    if etype is WritePosted and role is CTX and state is State.ABORTING:
+        pre = LocalProtocolError  # no new write once ctx began aborting
+    if pre is not None:
+        with pytest.raises(pre):
+            m.handle(make(role)(etype))
+        return
+    assert table is not None
+    m.handle(make(role)(etype))
+    got = m.state(role)
+    assert got == table or got in JOINT[role].get(table, frozenset()) or (
+        table in JOINT[role] and any(got in JOINT[role].get(s, frozenset()) for s in JOINT[role][table])
+    ), f"{role.name} {state.name} --{etype.__name__}--> {got.name}, table says {table.name}"
+
+
+def test_table_covers_every_state_of_both_roles() -> None:
+    for role in Role:
+        assert set(TRANSITIONS[role]) >= {State.IDLE, State.REGISTERING, State.READY, State.DONE,
+                                          State.ABORTING, State.FAILED}
+        for state in FINAL:
+            assert set(TRANSITIONS[role][state].values()) == {state}, "a final state is never left"
+
+
+# --- the flows ------------------------------------------------------------------------------
+
+
+def test_gen_announces_and_publish_starts_with_zero_round_trips() -> None:
+    gen = TransferMachine(here={GEN})
+    assert gen.handle(RankRegistered(GEN, deadline=10.0)) == []
+    assert gen.handle(SideComplete(GEN, deadline=12.0, peer_named=True)) == [SendDestination(announced=True)]
+    assert gen.deadline == 10.0 and gen.state(GEN) is State.DEST_OUT
+
+    ctx = TransferMachine(here={CTX})
+    assert ctx.handle(DestinationReceived(GEN, deadline=9.0, announced=True)) == []
+    assert ctx.handle(SideComplete(CTX, deadline=20.0)) == [StartData()]  # no offer: 0 round trips
+    assert ctx.handle(PathChosen(CTX, Path.DIRECT)) == [SendPath(Path.DIRECT)]
+    ctx.handle(WritePosted(CTX, 2))
+    ctx.handle(WriteEnded(CTX, 2))
+    assert ctx.handle(DataOut(CTX, writes=2, nbytes=100)) == [SendDataDone(2, 100), Report(CTX, True)]
+
+    # gen: notifications may overtake the path message and the done message
+    assert gen.handle(NotifSeen(GEN)) == []
+    assert gen.handle(PathReceived(CTX, Path.DIRECT)) == [StartReceive(Path.DIRECT)]
+    assert gen.state(GEN) is State.RECEIVING
+    assert gen.handle(DataDoneReceived(CTX, writes=2, nbytes=100)) == []
+    assert gen.handle(NotifSeen(GEN)) == [Report(GEN, True)]
+    assert gen.finished and ctx.finished
+
+
+@pytest.mark.parametrize("gen_first", [True, False])
+def test_offer_accept_in_either_order(gen_first: bool) -> None:
+    gen = TransferMachine(here={GEN})
+    ctx = TransferMachine(here={CTX})
+    assert ctx.handle(SideComplete(CTX, deadline=5.0)) == [SendOffer()]
+    if gen_first:
+        assert gen.handle(SideComplete(GEN)) == []  # no peer named: wait for the offer
+        assert gen.handle(OfferReceived(CTX, deadline=5.0)) == [SendDestination(announced=False)]
+    else:
+        assert gen.handle(OfferReceived(CTX, deadline=5.0)) == []  # kept until gen registers
+        assert gen.handle(RankRegistered(GEN)) == []
+        assert gen.handle(SideComplete(GEN)) == [SendDestination(announced=False)]
+    assert ctx.handle(DestinationReceived(GEN)) == [StartData()]
+    assert ctx.state(CTX) is State.SENDING
+
+
+def test_announce_crossing_an_offer_sends_one_destination() -> None:
+    """ctx offered before the announce arrived: gen does not answer the offer a second time."""
+    gen = TransferMachine(here={GEN})
+    ctx = TransferMachine(here={CTX})
+    assert gen.handle(SideComplete(GEN, peer_named=True)) == [SendDestination(announced=True)]
+    assert ctx.handle(SideComplete(CTX)) == [SendOffer()]
+    assert gen.handle(OfferReceived(CTX)) == []
+    assert ctx.handle(DestinationReceived(GEN, announced=True)) == [StartData()]
+
+
+def test_mapped_path_completes_gen_on_the_done_message_alone() -> None:
+    gen = TransferMachine(here={GEN})
+    gen.handle(SideComplete(GEN, peer_named=True))
+    gen.handle(PathReceived(CTX, Path.MAPPED))
+    assert gen.handle(DataDoneReceived(CTX, writes=0, nbytes=10)) == [Report(GEN, True)]
+
+
+def test_bounce_gen_waits_for_its_own_scatters() -> None:
+    gen = TransferMachine(here={GEN})
+    gen.handle(SideComplete(GEN, peer_named=True))
+    gen.handle(PathReceived(CTX, Path.BOUNCE))
+    gen.handle(NotifSeen(GEN))
+    gen.handle(WritePosted(GEN))  # the scatter of that chunk
+    assert gen.handle(DataDoneReceived(CTX, writes=1)) == []
+    assert gen.handle(WriteEnded(GEN)) == [Report(GEN, True)]
+
+
+def test_local_path_and_a_failure_there_fail_both_sides_at_once() -> None:
+    m = TransferMachine(here={GEN})
+    m.handle(SideComplete(GEN))
+    m.host(CTX)
+    assert m.handle(SideComplete(CTX)) == [StartData(Path.LOCAL)]
+    out = m.handle(LocalFailure(CTX, "incompatible_layout", "geometry differs"))
+    assert reports(out) == [Report(CTX, False, "incompatible_layout", "geometry differs"),
+                            Report(GEN, False, "incompatible_layout", "ctx side failed: geometry differs")]
+    assert not [a for a in out if isinstance(a, SendFail)]  # nobody to tell: both sides are here
+
+
+def test_local_path_success() -> None:
+    m = TransferMachine(here={GEN, CTX})
+    m.handle(SideComplete(CTX))
+    assert m.handle(SideComplete(GEN)) == [StartData(Path.LOCAL)]
+    m.handle(WritePosted(CTX))
+    m.handle(WriteEnded(CTX))
+    assert m.handle(DataOut(CTX, 0, 5)) == [Report(CTX, True), Report(GEN, True)]
+
+
+def test_host_refuses_a_side_the_peer_already_plays() -> None:
+    m = TransferMachine(here={GEN})
+    m.handle(OfferReceived(CTX))
+    with pytest.raises(LocalProtocolError):
+        m.host(CTX)
+
+
+# --- no write after failure -------------------------------------------------------------------
+
+
+def _gen_receiving() -> TransferMachine:
+    gen = TransferMachine(here={GEN})
+    gen.handle(SideComplete(GEN, peer_named=True))
+    gen.handle(PathReceived(CTX, Path.DIRECT))
+    return gen
+
+
+def _ctx_sending(writes: int = 3) -> TransferMachine:
+    ctx = TransferMachine(here={CTX})
+    ctx.handle(DestinationReceived(GEN))
+    ctx.handle(SideComplete(CTX))
+    ctx.handle(PathChosen(CTX, Path.DIRECT))
+    ctx.handle(WritePosted(CTX, writes))
+    return ctx
+
+
+def test_gen_cancel_reports_only_after_ctx_says_its_writes_stopped() -> None:
+    gen = _gen_receiving()
+    out = gen.handle(Cancel(GEN, "cancelled by client"))
+    assert out == [SendFail("transfer_cancelled", "cancelled by client", writes_stopped=True)]
+    assert gen.state(GEN) is State.ABORTING and not reports(out)
+    assert gen.handle(NotifSeen(GEN)) == []  # a write still landing: absorbed, still no report
+    assert gen.handle(Clock(math.inf)) == []  # its deadline passing changes nothing either
+
+    ctx = _ctx_sending(3)
+    out = ctx.handle(FailReceived(GEN, "transfer_cancelled", "cancelled by client"))
+    assert out == [AbortWrites(CTX)]
+    assert ctx.handle(WriteEnded(CTX, 2)) == []
+    out = ctx.handle(WriteEnded(CTX, 1))
+    assert out == [Report(CTX, False, "transfer_cancelled", "gen side failed: cancelled by client"),
+                   SendFail("transfer_cancelled", "gen side failed: cancelled by client", writes_stopped=True)]
+    assert reports(gen.handle(FailReceived(CTX, "transfer_cancelled", "x"))) == [
+        Report(GEN, False, "transfer_cancelled", "cancelled by client")]
+
+
+def test_ctx_executor_disconnect_aborts_then_tells_gen() -> None:
+    ctx = _ctx_sending(1)
+    assert ctx.handle(Disconnect(CTX, "executor session 3 ended")) == [AbortWrites(CTX)]
+    with pytest.raises(LocalProtocolError):
+        ctx.handle(WritePosted(CTX))  # the path must not post after an abort
+    out = ctx.handle(WriteEnded(CTX))
+    assert [type(a) for a in out] == [Report, SendFail]
+
+
+def test_peer_lost_keeps_gen_blocks_until_the_peer_is_fenced_or_confirms() -> None:
+    for ending in (PeerFenced(), FailReceived(CTX, "peer_unavailable", "link lost", writes_stopped=True)):
+        gen = _gen_receiving()
+        out = gen.handle(PeerLost("heartbeat timeout"))
+        assert not reports(out) and gen.state(GEN) is State.ABORTING
+        assert [type(a) for a in out] == [SendFail]  # owed to the peer, sent once it is back
+        assert reports(gen.handle(ending)) == [Report(GEN, False, "peer_unavailable", "peer link lost: heartbeat timeout")]
+
+
+def test_ctx_failure_with_writes_not_yet_stopped_keeps_gen_waiting() -> None:
+    gen = _gen_receiving()
+    assert gen.handle(FailReceived(CTX, "nixl_error", "x", writes_stopped=False)) == []
+    assert gen.state(GEN) is State.ABORTING
+    assert reports(gen.handle(FailReceived(CTX, "nixl_error", "x", writes_stopped=True)))
+
+
+def test_gen_fails_at_once_when_it_never_handed_out_its_destination() -> None:
+    gen = TransferMachine(here={GEN})
+    gen.handle(RankRegistered(GEN, deadline=1.0))
+    out = gen.handle(Clock(1.0))
+    assert out == [Report(GEN, False, "transfer_timeout", "gen side missed its deadline (state registering)")]
+
+
+def test_ctx_data_out_then_gen_cancel_is_a_late_message() -> None:
+    ctx = _ctx_sending(1)
+    ctx.handle(WriteEnded(CTX))
+    ctx.handle(DataOut(CTX, 1, 10))
+    assert ctx.handle(FailReceived(GEN, "transfer_cancelled", "late")) == []
+    assert ctx.state(CTX) is State.DONE
+
+
+def test_gen_cancel_after_data_done_reports_without_waiting() -> None:
+    gen = _gen_receiving()
+    gen.handle(DataDoneReceived(CTX, writes=2))
+    assert reports(gen.handle(Cancel(GEN))) == [Report(GEN, False, "transfer_cancelled", "cancelled")]
+
+
+def test_unasked_offer_expires_and_tells_ctx() -> None:
+    gen = TransferMachine(here={GEN})
+    gen.handle(OfferReceived(CTX, deadline=3.0))
+    assert gen.handle(Clock(2.9)) == []
+    out = gen.handle(Clock(3.0))
+    assert [type(a) for a in out] == [SendFail, Report]
+
+
+# --- duplicates, reordering, late messages -----------------------------------------------------
+
+
+def test_duplicate_messages_are_remote_protocol_errors() -> None:
+    gen = TransferMachine(here={GEN})
+    gen.handle(OfferReceived(CTX))
+    with pytest.raises(RemoteProtocolError):
+        gen.handle(OfferReceived(CTX))
+    ctx = TransferMachine(here={CTX})
+    ctx.handle(DestinationReceived(GEN))
+    with pytest.raises(RemoteProtocolError):
+        ctx.handle(DestinationReceived(GEN))
+    g2 = _gen_receiving()
+    g2.handle(DataDoneReceived(CTX, writes=1))
+    with pytest.raises(RemoteProtocolError):
+        g2.handle(DataDoneReceived(CTX, writes=1))
+
+
+def test_path_before_destination_is_a_remote_protocol_error() -> None:
+    gen = TransferMachine(here={GEN})
+    gen.handle(SideComplete(GEN))  # no peer named, no offer: nothing handed out
+    with pytest.raises(RemoteProtocolError):
+        gen.handle(PathReceived(CTX, Path.DIRECT))
+
+
+def test_peer_may_not_speak_for_our_side() -> None:
+    ctx = TransferMachine(here={CTX})
+    with pytest.raises(RemoteProtocolError):
+        ctx.handle(OfferReceived(CTX))
+    with pytest.raises(LocalProtocolError):
+        ctx.handle(SideComplete(GEN))
+
+
+def test_extra_notification_after_done_is_absorbed_only_after_failure() -> None:
+    gen = _gen_receiving()
+    gen.handle(DataDoneReceived(CTX, writes=0))
+    assert gen.state(GEN) is State.DONE
+    with pytest.raises(LocalProtocolError):
+        gen.handle(NotifSeen(GEN))  # more writes than ctx said: a bug, named
+    failed = _gen_receiving()
+    failed.handle(Cancel(GEN))
+    failed.handle(FailReceived(CTX, "transfer_cancelled", ""))
+    assert failed.handle(NotifSeen(GEN)) == []
+
+
+# --- two machines back to back, deliveries shuffled ---------------------------------------------
+
+
+class _Pair:
+    """Two daemons' machines; messages queue on a link, notifications on NIXL (unordered)."""
+
+    def __init__(self, rng: random.Random) -> None:
+        self.rng = rng
+        self.ctx = TransferMachine(here={CTX})
+        self.gen = TransferMachine(here={GEN})
+        self.to_gen: list[Event] = []
+        self.to_ctx: list[Event] = []
+        self.notifs = 0
+        self.writes_pending = 0
+        self.reports: dict[Role, list[Report]] = {CTX: [], GEN: []}
+        self.landed_after_gen_report = 0
+        self.gen_reported = False
+
+    def run(self, machine: TransferMachine, ev: Event | Clock | PeerLost | PeerFenced) -> None:
+        try:
+            actions = machine.handle(ev)
+        except (LocalProtocolError, RemoteProtocolError):
+            return
+        for a in actions:
+            self.act(machine, a)
+
+    def act(self, machine: TransferMachine, a: Action) -> None:
+        if isinstance(a, Report):
+            self.reports[a.role].append(a)
+            if a.role is GEN:
+                self.gen_reported = True
+        elif isinstance(a, SendOffer):
+            self.to_gen.append(OfferReceived(CTX))
+        elif isinstance(a, SendDestination):
+            self.to_ctx.append(DestinationReceived(GEN, announced=a.announced))
+        elif isinstance(a, SendPath):
+            self.to_gen.append(PathReceived(CTX, a.path))
+        elif isinstance(a, SendDataDone):
+            self.to_gen.append(DataDoneReceived(CTX, a.writes, a.nbytes))
+        elif isinstance(a, SendFail):
+            q = self.to_gen if machine is self.ctx else self.to_ctx
+            q.append(FailReceived(CTX if machine is self.ctx else GEN, a.code, a.message, a.writes_stopped))
+        elif isinstance(a, StartData):
+            self.run(self.ctx, PathChosen(CTX, Path.DIRECT))
+            self.writes_pending = 3
+            self.run(self.ctx, WritePosted(CTX, 3))
+        elif isinstance(a, AbortWrites):
+            pass  # the writes end (aborted) in later steps
+
+    def step(self) -> bool:
+        choices: list[Callable[[], None]] = []
+        if self.to_gen:
+            choices.append(lambda: self.run(self.gen, self.to_gen.pop(0)))
+        if self.to_ctx:
+            choices.append(lambda: self.run(self.ctx, self.to_ctx.pop(0)))
+        if self.notifs:
+            def notif() -> None:
+                self.notifs -= 1
+                self.run(self.gen, NotifSeen(GEN))
+            choices.append(notif)
+        if self.writes_pending:
+            def land() -> None:
+                self.writes_pending -= 1
+                if self.gen_reported:
+                    self.landed_after_gen_report += 1
+                self.notifs += 1
+                self.run(self.ctx, WriteEnded(CTX))
+                if self.writes_pending == 0 and self.ctx.state(CTX) is State.SENDING:
+                    self.run(self.ctx, DataOut(CTX, 3, 30))
+            choices.append(land)
+        if not choices:
+            return False
+        self.rng.choice(choices)()
+        return True
+
+
+FAULTS: list[tuple[str, Callable[[_Pair], None]]] = [
+    ("none", lambda p: None),
+    ("gen cancel", lambda p: p.run(p.gen, Cancel(GEN))),
+    ("gen disconnect", lambda p: p.run(p.gen, Disconnect(GEN))),
+    ("ctx cancel", lambda p: p.run(p.ctx, Cancel(CTX))),
+    ("ctx nixl error", lambda p: p.run(p.ctx, LocalFailure(CTX, "nixl_error", "boom"))),
+    ("gen deadline", lambda p: p.run(p.gen, Clock(100.0))),
+    ("ctx deadline", lambda p: p.run(p.ctx, Clock(100.0))),
+]
+
+
+@pytest.mark.parametrize(("name", "fault"), FAULTS, ids=[f[0] for f in FAULTS])
+@pytest.mark.parametrize("peer_named", [True, False])
+def test_pair_under_shuffled_delivery(name: str, fault: Callable[[_Pair], None], peer_named: bool) -> None:
+    """Whatever the interleaving and wherever the fault strikes: one report per side, both agree
+    on success, and gen never reports while a ctx write can still land."""
+    for seed in range(150):
+        rng = random.Random(seed)
+        p = _Pair(rng)
+        registrations: list[tuple[TransferMachine, Event]] = [
+            (p.gen, SideComplete(GEN, deadline=50.0, peer_named=peer_named)),
+            (p.ctx, SideComplete(CTX, deadline=50.0)),
+        ]
+        rng.shuffle(registrations)
+        at = rng.randrange(12)
+        ticked = False
+        for step in itertools.count():
+            if step == at:
+                fault(p)
+            if registrations:
+                p.run(*registrations.pop())
+                continue
+            if not p.step():
+                if step < at:
+                    continue
+                if not ticked:  # nothing left to deliver: let the deadlines pass once
+                    ticked = True
+                    p.run(p.ctx, Clock(60.0))
+                    p.run(p.gen, Clock(60.0))
+                    continue
+                break
+        for role in Role:
+            assert len(p.reports[role]) == 1, (name, seed, role, p.reports[role])
+        assert p.landed_after_gen_report == 0, (name, seed)
+        ok = {r: p.reports[r][0].ok for r in Role}
+        if name == "none":
+            assert ok == {CTX: True, GEN: True}, (seed, p.reports)
+        elif not ok[GEN]:
+            assert p.writes_pending == 0
+
+
+def test_pair_peer_loss_then_fence() -> None:
+    p = _Pair(random.Random(1))
+    p.run(p.gen, SideComplete(GEN, peer_named=True))
+    p.run(p.ctx, DestinationReceived(GEN, announced=True))
+    p.to_ctx.clear()
+    p.run(p.ctx, SideComplete(CTX))
+    p.run(p.gen, PeerLost("heartbeat timeout"))
+    assert p.reports[GEN] == []
+    p.run(p.gen, PeerFenced())
+    assert [r.ok for r in p.reports[GEN]] == [False]
