@@ -11,12 +11,14 @@ a terminal (a pipe, a file, ``watch``), plain space-aligned columns that are nev
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from typing import Any
 
 import msgspec
 
+from clients._wire import default_socket_path
 from clients.blocking import Client
 from protocol import messages as m
 from protocol.errors import ConnectionClosed, KvdError
@@ -177,6 +179,18 @@ def _ping_until_up(args: argparse.Namespace) -> int:
         time.sleep(0.1)
 
 
+def _unreachable_hint(path: str) -> str:
+    """What to do when the socket at ``path`` cannot be opened (the error says only errno)."""
+    if not os.path.exists(path):
+        return ("is kvd running with this socket_path? Give its socket with --socket PATH or "
+                "KVD_SOCKET (default /run/kvd/kvd.sock)")
+    if not os.access(path, os.R_OK | os.W_OK):
+        return ("this user may not open the socket: kvd lets in root, its own user and members of "
+                "its group ([access] in its configuration widens that)")
+    return ("a socket file is there but no daemon answers: a killed daemon leaves it behind; one "
+            "that is starting answers soon (kvctl ping --wait SECONDS)")
+
+
 def _out(args: argparse.Namespace, obj: Any, human: Any) -> None:
     if args.json:
         print(msgspec.json.encode(obj).decode())
@@ -254,11 +268,17 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exc:
         return EXIT_USAGE if exc.code else EXIT_OK
     try:
-        if args.command == "ping" and args.wait:
-            return _ping_until_up(args)
-        return run(args)
+        code = _ping_until_up(args) if args.command == "ping" and args.wait else run(args)
+        sys.stdout.flush()  # here, not at exit: a reader that went away is handled below
+        return code
+    except BrokenPipeError:
+        # The reader closed the pipe (kvctl transfers | grep -q req-1, | head): it has what it
+        # wanted, so no traceback and exit 0 (a script with pipefail must not fail on it).
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_OK
     except ConnectionClosed as exc:
-        print(f"kvctl: {exc}", file=sys.stderr)
+        hint = f"; {_unreachable_hint(args.socket or default_socket_path())}" if "cannot connect to kvd" in str(exc) else ""
+        print(f"kvctl: {exc}{hint}", file=sys.stderr)
         return EXIT_UNREACHABLE
     except KvdError as exc:
         print(f"kvctl: {exc}", file=sys.stderr)

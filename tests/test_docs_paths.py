@@ -36,3 +36,14 @@ def test_every_path_is_documented() -> None:
     assert {p for p in paths if f'"{p}"' not in comment} == set(), "protocol.messages.Completion.path"
     guide = (ROOT / "docs" / "getting-started.md").read_text()
     assert {p for p in paths if f"`{p}`" not in guide} == set(), "docs/getting-started.md"
+
+
+def test_every_transfer_state_is_explained_in_the_readme() -> None:
+    """``kvctl transfers`` shows the state machine's state names (``dest_out``, ``aborting``, ...);
+    an operator finds each one explained next to the command in the README."""
+    from protocol.transfer_fsm import State
+
+    readme = (ROOT / "README.md").read_text()
+    start = readme.index("Its `state` column is the side's state:")
+    legend = readme[start : readme.index("`kvctl peers`", start)]
+    assert {s.value for s in State if f"`{s.value}`" not in legend} == set()

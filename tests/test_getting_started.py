@@ -1,5 +1,5 @@
-"""docs/getting-started.md, run exactly as written: its files are written verbatim, its shell
-blocks run in order in one ``bash`` (``set -euo pipefail``) in an empty directory, with this
+"""docs/getting-started.md, run exactly as written: its files are written verbatim (but for the
+peer port, which becomes a free one), its shell blocks run in order in one ``bash`` (``set -euo pipefail``) in an empty directory, with this
 Python's ``bin`` first on PATH (the venv of the README's quick start).
 
 The doc marks what the test takes: ``<!-- getting-started: file NAME -->`` before a code block
@@ -13,17 +13,22 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
 
+from kvd.config import Config, LimitsConfig, TransferConfig
+
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "getting-started.md"
+DOC_PEER_PORT = "17601"  # the gen daemon's peer_port on the page
 _BLOCK = re.compile(r"<!-- getting-started: (run|file [\w.]+) -->\n```\w*\n(.*?)```", re.S)
 
 
@@ -58,11 +63,22 @@ def workdir() -> Iterator[Path]:
         shutil.rmtree(path, ignore_errors=True)
 
 
+def free_port() -> int:
+    """A TCP port nothing listens on right now (the kernel picks it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def test_getting_started_runs_as_written(workdir: Path) -> None:
     files, script = extract(DOC.read_text())
+    # The one change to the page: its peer port becomes a free one, so that the test does not fail
+    # when someone on the machine is following the guide, or another checkout runs this test.
+    assert DOC_PEER_PORT in files["gen.toml"] and DOC_PEER_PORT in files["ctx.toml"]
+    port = str(free_port())
     for name, text in files.items():
-        (workdir / name).write_text(text)
-    (workdir / "run.sh").write_text("set -euo pipefail\n" + script)
+        (workdir / name).write_text(text.replace(DOC_PEER_PORT, port))
+    (workdir / "run.sh").write_text("set -euo pipefail\n" + script.replace(DOC_PEER_PORT, port))
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     env = {k: v for k, v in env.items() if not k.startswith("KVD_")}
     proc = subprocess.Popen(["bash", "run.sh"], cwd=workdir, env=env, stdout=subprocess.PIPE,
@@ -89,6 +105,26 @@ def test_getting_started_runs_as_written(workdir: Path) -> None:
         assert [(e["request_id"], e["role"], e["bytes"]) for e in done] == [("req-1", role, 917504)]
         assert events[-1]["event"] == "daemon.stopped"
         assert not (workdir / f"{name}.sock").exists()
+
+
+def test_the_defaults_the_configs_state_are_true() -> None:
+    """A ``key = value  # ... (default X)`` comment in the page's configurations names the key's
+    real default (a guide that says 256 where kvd allocates 512 misleads whoever sizes memory)."""
+    files, _ = extract(DOC.read_text())
+    sections: dict[str, Any] = {"": Config, "transfer": TransferConfig, "limits": LimitsConfig}
+    stated = []
+    for name in ("gen.toml", "ctx.toml"):
+        section = ""
+        for line in files[name].splitlines():
+            if header := re.fullmatch(r"\[(\w+)\]\s*", line):
+                section = header.group(1)
+            elif said := re.match(r"(\w+)\s*=.*#.*\(default ([^)]+)\)", line):
+                key, value = said.groups()
+                default = msgspec.structs.fields(sections[section])
+                real = next(f.default for f in default if f.name == key)
+                stated.append((name, key, value, str(real)))
+    assert stated, "the page states no default any more: drop this test"
+    assert [s for s in stated if s[2] != s[3]] == []
 
 
 def test_what_the_doc_says_about_shapes_is_true(workdir: Path) -> None:

@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -27,14 +28,22 @@ import pytest
 
 from clients import Client
 from kvd.demo.launch import DaemonProcess
-from kvd.peer.auth import load_secret
+from kvd.peer.auth import load_secret, new_nonce
 from protocol import messages as m
 from protocol.codec import encode
 from protocol.errors import Draining
 from protocol.framing import frame
 from protocol.layout import KVLayout
 from protocol.limits import MAX_REQUEST_ID_LEN
-from protocol.peer import PEER_PROTOCOL_VERSION, PeerHello, encode_peer_payload
+from protocol.peer import (
+    PEER_PROTOCOL_VERSION,
+    PeerAuth,
+    PeerChallenge,
+    PeerError,
+    PeerHello,
+    encode_peer,
+    encode_peer_payload,
+)
 from tests.conftest import host_pool
 from tests.hostile import IO_TIMEOUT, Baseline, Raw, RawPeer, events, fd_count, wait_until
 from tests.transfer_harness import write_secret
@@ -484,4 +493,37 @@ def test_a_reply_too_large_fails_the_request_not_the_session(daemon_factory: Fac
     assert sorted(seen) == rids
     raw.close()  # the session's requests are cancelled and its block returned
     _one_warning(base, "session.reply_too_large")
+    base.check()
+
+
+# --- 9. a flood of wrong-secret handshakes ---------------------------------------------------------
+
+
+def test_wrong_secret_handshakes_are_logged_at_a_bounded_rate(daemon_factory: Factory, short_tmp: Path) -> None:
+    """Anyone who reaches the peer port can fail the MAC check at will; like every warning a
+    stranger can trigger, ``peer.auth_failed`` is rate-limited (one line per 10 s, then a count),
+    and each attempt still gets its refusal and a closed connection."""
+    d, secret = _peer_daemon(daemon_factory, short_tmp)
+    base = Baseline.take(d)
+    attempts = 5
+    t0 = time.monotonic()
+    for _ in range(attempts):
+        attacker = RawPeer(d.peer_port)
+        attacker.send(encode_peer(PeerHello(version=PEER_PROTOCOL_VERSION, node="evil", nonce=new_nonce())))
+        assert isinstance(attacker.receive(), PeerChallenge)
+        attacker.send(encode_peer(PeerAuth(mac=b"\0" * 32)))
+        refusal = attacker.rest()  # the daemon logs (or counts) the failure before it answers and closes
+        attacker.close()
+        assert len(refusal) == 1 and isinstance(refusal[0], PeerError), refusal
+        assert "MAC does not match" in refusal[0].message
+    elapsed = time.monotonic() - t0
+    lines = events(d, "peer.auth_failed")
+    # one line per 10 s window the attempts spanned (one, unless this machine stalled for 10 s)
+    assert 1 <= len(lines) <= 1 + int(elapsed // 10), (elapsed, lines)
+    assert lines[0]["remote"].startswith("127.0.0.1:") and lines[0]["side"] == "server"
+    # the port still serves a daemon that holds the secret
+    friend = RawPeer(d.peer_port)
+    friend.authenticate(secret, node="friend")
+    friend.close()
+    assert {r["event"] for r in base.new_warnings()} == {"peer.auth_failed"}
     base.check()

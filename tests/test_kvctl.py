@@ -209,6 +209,7 @@ def test_exit_code_3_when_unreachable(short_tmp: Any) -> None:
     run = kvctl("status", socket=str(short_tmp / "nobody-listens.sock"))
     assert run.returncode == 3
     assert "cannot connect to kvd at" in run.stderr and "No such file or directory" in run.stderr
+    assert "is kvd running with this socket_path? Give its socket with --socket PATH or KVD_SOCKET" in run.stderr
     # a stale socket file nobody listens on
     import socket as stdsocket
 
@@ -217,6 +218,38 @@ def test_exit_code_3_when_unreachable(short_tmp: Any) -> None:
     stale.close()
     run = kvctl("--json", "pools", env={"KVD_SOCKET": str(short_tmp / "stale.sock")})
     assert run.returncode == 3 and "Connection refused" in run.stderr and run.stdout == ""
+    assert "a socket file is there but no daemon answers: a killed daemon leaves it behind" in run.stderr
+    assert len(run.stderr.splitlines()) == 1  # one line, the hint included
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None,
+                    reason="needs root and setpriv to run kvctl as another user")
+def test_unreachable_for_lack_of_permission_says_why(daemon_factory: Callable[..., DaemonProcess],
+                                                     short_tmp: Path) -> None:
+    d = daemon_factory(name="private")  # socket mode 0660, owner and group root
+    os.chmod(short_tmp, 0o755)
+    cmd = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+           sys.executable, "-m", "clients.kvctl", "-s", d.socket_path, "status"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env, stdin=subprocess.DEVNULL)
+    assert run.returncode == 3, (run.stdout, run.stderr)
+    assert "Permission denied" in run.stderr
+    assert "this user may not open the socket: kvd lets in root, its own user and members of its group" in run.stderr
+
+
+def test_a_reader_that_closes_the_pipe_is_not_an_error(served: Any) -> None:
+    """kvctl transfers | grep -q req-1: grep exits at its first match and closes the pipe; kvctl
+    must end quietly with 0 (no BrokenPipeError traceback, no failure under pipefail)."""
+    d, _holder, _layout = served
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before kvctl writes a byte: every write gets EPIPE
+    try:
+        run = subprocess.run([sys.executable, "-m", "clients.kvctl", "-s", d.socket_path, "config"],
+                             stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=60)
+    finally:
+        os.close(write_end)
+    assert run.returncode == 0, run.stderr
+    assert run.stderr == ""
 
 
 def test_drain(daemon_factory: Callable[..., DaemonProcess]) -> None:

@@ -196,6 +196,22 @@ def test_load_secret_refuses_group_or_world_access(tmp_path: Path, mode: int) ->
         load_secret(p)
 
 
+def test_load_secret_names_the_file_a_relative_path_meant(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A relative peer_secret_file is taken from the working directory; the error says where."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(BadRequest) as err:
+        load_secret("peer.secret")
+    assert f"peer secret file peer.secret (relative to the working directory: {tmp_path / 'peer.secret'})" \
+        " does not exist" in str(err.value)
+    _write_secret(tmp_path / "peer.secret", SECRET, 0o600)
+    assert load_secret("peer.secret") == SECRET  # and that is the file it reads
+    with pytest.raises(BadRequest) as err:
+        load_secret(tmp_path / "absent.secret")
+    assert "working directory" not in str(err.value)  # an absolute path needs no explanation
+
+
 def test_load_secret_refuses_missing_short_foreign_and_linked(tmp_path: Path) -> None:
     with pytest.raises(BadRequest, match="does not exist"):
         load_secret(tmp_path / "missing")
@@ -281,6 +297,8 @@ async def test_handshake_memory_wrong_secret_fails_on_both_sides() -> None:
     assert isinstance(out["server"], AuthFailed)
     assert "its MAC does not match our secret" in str(out["client"])
     assert "the peer refused us" in str(out["server"])
+    for side in ("client", "server"):  # both say what to do, not only that a MAC failed
+        assert "give every daemon of the deployment the same peer_secret_file content" in str(out[side])
     events = _auth_events(logs)
     assert {e["side"] for e in events} == {"client", "server"}
     assert all(e["log_level"] == "warning" for e in events)

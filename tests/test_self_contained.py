@@ -1,5 +1,6 @@
 """The repository stands alone: no tracked file points to a document outside it or to an
-issue tracker's numbers (a reader of a clone has neither).
+issue tracker's numbers (a reader of a clone has neither), and every repository path a tracked
+file names (``docs/….md``, ``kvd/….py``, ``systemd/…``) exists.
 
 The patterns are written so that this file does not match them itself.
 """
@@ -18,6 +19,15 @@ FORBIDDEN = {
     "an issue number": re.compile(r"\b[Ii]ssues?\s+#?\d"),
     "a '#<number>' reference": re.compile(r"#\d"),
 }
+
+
+#: A repository-relative path: a top-level folder of the repository, then a file name with one of
+#: the extensions a reader would open. Not preceded by a path character, so that absolute paths
+#: such as /etc/kvd/kvd.toml or /usr/share/doc/kvd/README.md are not taken for repository paths.
+REPO_PATH = re.compile(
+    r"(?<![\w/.-])(?:docs|systemd|kvd|protocol|clients|tests)/[\w./-]*\w"
+    r"\.(?:md|txt|json|png|log|py|toml|service|sysusers)\b"
+)
 
 
 def tracked_files() -> list[Path]:
@@ -50,6 +60,19 @@ def offending_lines() -> list[str]:
     return found
 
 
+def dangling_paths() -> list[str]:
+    found = []
+    for path in tracked_files():
+        data = path.read_bytes()
+        if b"\0" in data:
+            continue
+        for lineno, line in enumerate(data.decode(errors="replace").splitlines(), 1):
+            for name in REPO_PATH.findall(line):
+                if not (ROOT / name).exists():
+                    found.append(f"{path.relative_to(ROOT)}:{lineno}: {name} does not exist")
+    return found
+
+
 def test_tracked_files_are_found() -> None:
     names = {str(p.relative_to(ROOT)) for p in tracked_files()}
     assert {"README.md", "pyproject.toml", "systemd/kvd.service", "docs/events.md", "kvd/cli.py"} <= names
@@ -58,6 +81,22 @@ def test_tracked_files_are_found() -> None:
 def test_no_reference_outside_the_repository() -> None:
     found = offending_lines()
     assert not found, "\n".join(found)
+
+
+def test_every_repository_path_named_exists() -> None:
+    """A renamed or never-written file leaves a reader at a dead end (the README once sent
+    newcomers to a design document that is not in the repository)."""
+    found = dangling_paths()
+    assert not found, "\n".join(found)
+
+
+def test_the_repository_path_pattern() -> None:
+    assert REPO_PATH.findall("see `docs/getting-started.md` and kvd/regroup/plan.py.") == [
+        "docs/getting-started.md", "kvd/regroup/plan.py"]
+    assert REPO_PATH.findall("(`kvd serve --config /etc/kvd/kvd.toml`)") == []
+    assert REPO_PATH.findall("Documentation=file:/usr/share/doc/kvd/README.md") == []
+    assert REPO_PATH.findall("install -D systemd/kvd.service /etc/systemd/system/kvd.service") == [
+        "systemd/kvd.service"]
 
 
 def test_the_patterns_catch_what_they_must() -> None:

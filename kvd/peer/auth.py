@@ -55,8 +55,11 @@ def load_secret(path: str | os.PathLike[str]) -> bytes:
     try:
         fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:
+        # A relative peer_secret_file is opened from the daemon's working directory, not from the
+        # configuration file's: say which file that was, or "does not exist" reads as a lie.
+        where = "" if p.is_absolute() else f" (relative to the working directory: {Path.cwd() / p})"
         raise BadRequest(
-            f"peer secret file {p} does not exist; create it with the same secret on every node "
+            f"peer secret file {p}{where} does not exist; create it with the same secret on every node "
             f"(openssl rand -hex 32 > {p} && chmod 600 {p}), or remove peer_secret_file and "
             "[[peers]] to serve local transfers only"
         ) from None

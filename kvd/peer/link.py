@@ -248,10 +248,26 @@ async def _refuse(conn: PeerConnection, err: KvdError) -> None:
             await conn.send(PeerError(code=err.code, message=err.message))
 
 
-def _auth_failed(conn: PeerConnection, side: str, reason: str, node: str = "") -> AuthFailed:
-    log.warning(
-        "peer.auth_failed", remote=conn.remote_addr, node=node or conn.remote_node, side=side, reason=reason
-    )
+#: Why a handshake MAC failed, and what to do: the operator reading ``kvctl peers`` or the log on
+#: either side cannot tell which daemon has the "wrong" secret, only that the two differ.
+_MAC_MISMATCH = (
+    "its MAC does not match our secret (the two daemons read different secrets: give every daemon "
+    "of the deployment the same peer_secret_file content)"
+)
+
+
+#: Where a warning goes: ``log.warning`` or a rate limiter's ``warning`` (same signature).
+Warn = Callable[..., object]
+
+
+def _auth_failed(
+    conn: PeerConnection, side: str, reason: str, node: str = "", warn: Warn | None = None
+) -> AuthFailed:
+    fields = dict(remote=conn.remote_addr, node=node or conn.remote_node, side=side, reason=reason)
+    if warn is None:
+        log.warning("peer.auth_failed", **fields)
+    else:
+        warn("peer.auth_failed", **fields)
     who = f"peer {node!r}" if node else "peer"
     where = f" at {conn.remote_addr}" if conn.remote_addr else ""
     return AuthFailed(f"{who}{where} failed the shared-secret handshake: {reason}")
@@ -322,7 +338,7 @@ async def handshake_client(
                 server_nonce=ch.nonce,
             )
             if not verify_mac(expected, ch.mac):
-                fail = _auth_failed(conn, "client", "its MAC does not match our secret", ch.node)
+                fail = _auth_failed(conn, "client", _MAC_MISMATCH, ch.node)
                 await _refuse(conn, fail)
                 raise fail
             if ch.node == node:
@@ -374,14 +390,18 @@ async def handshake_server(
     timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
     version: int = PEER_PROTOCOL_VERSION,
     max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
+    warn: Warn | None = None,
 ) -> tuple[str, PeerWelcome]:
     """Authenticate a connecting daemon; returns its node name and welcome.
 
     Same errors as :func:`handshake_client`. Before the peer has proved the secret, frames
     are limited to :data:`~protocol.peer.PRE_AUTH_MAX_FRAME_SIZE`. ``local_welcome_payload``
     may be a callable: it is then only called once the peer has authenticated (building a
-    welcome asks NIXL for its metadata; a stranger must not make us do that).
+    welcome asks NIXL for its metadata; a stranger must not make us do that). ``warn`` takes
+    the ``peer.auth_failed`` and ``peer.version_mismatch`` warnings (default ``log.warning``):
+    anyone who reaches the port can cause them at will, so a daemon passes a rate limiter.
     """
+    warn_ = warn or log.warning
     conn = _as_conn(stream, max_frame_size)
     full = conn.max_frame_size
     try:
@@ -392,7 +412,7 @@ async def handshake_server(
                 err = VersionMismatch(
                     f"peer {hello.node!r} speaks peer protocol {hello.version}, we speak {version}"
                 )
-                log.warning(
+                warn_(
                     "peer.version_mismatch", remote=conn.remote_addr, side="server", error=err.message
                 )
                 await _refuse(conn, err)
@@ -400,7 +420,7 @@ async def handshake_server(
             try:
                 check_nonce(hello.nonce)
             except AuthFailed as exc:
-                fail = _auth_failed(conn, "server", exc.message, hello.node)
+                fail = _auth_failed(conn, "server", exc.message, hello.node, warn_)
                 await _refuse(conn, fail)
                 raise fail from None
             if hello.node == node:
@@ -420,11 +440,9 @@ async def handshake_server(
             try:
                 auth = await _expect(conn, PeerAuth)
             except AuthFailed as exc:
-                raise _auth_failed(
-                    conn, "server", f"the peer refused us: {exc.message}", hello.node
-                ) from None
+                raise _auth_failed(conn, "server", f"the peer refused us: {exc.message}", hello.node, warn_) from None
             if not verify_mac(handshake_mac(secret, "client", **args), auth.mac):
-                fail = _auth_failed(conn, "server", "its MAC does not match our secret", hello.node)
+                fail = _auth_failed(conn, "server", _MAC_MISMATCH, hello.node, warn_)
                 await _refuse(conn, fail)
                 raise fail
             conn.remote_node = hello.node
@@ -592,15 +610,17 @@ async def accept_peer(
     welcome: PeerWelcome | Callable[[], PeerWelcome],
     handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
     max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
+    warn: Warn | None = None,
 ) -> PeerConnection:
     """Authenticate an accepted stream (a ``trio.serve_tcp`` handler's); closed on failure.
 
-    ``welcome`` may be a callable, called only after the peer authenticated.
+    ``welcome`` may be a callable, called only after the peer authenticated; ``warn`` as for
+    :func:`handshake_server`.
     """
     conn = PeerConnection(stream, max_frame_size=max_frame_size)
     try:
         await handshake_server(
-            conn, node=node, secret=secret, local_welcome_payload=welcome, timeout=handshake_timeout
+            conn, node=node, secret=secret, local_welcome_payload=welcome, timeout=handshake_timeout, warn=warn
         )
     except BaseException:
         with trio.CancelScope(shield=True):

@@ -219,9 +219,9 @@ class PeerLinks:
         try:
             conn = await accept_peer(stream, node=self.config.node, secret=self.secret, welcome=self.welcome,
                                      handshake_timeout=limits.handshake_timeout_s,
-                                     max_frame_size=limits.max_frame_size)
+                                     max_frame_size=limits.max_frame_size, warn=_throttle.warning)
         except (AuthFailed, VersionMismatch):
-            return  # logged by the handshake (peer.auth_failed, peer.version_mismatch); closed
+            return  # logged (rate-limited) by the handshake: peer.auth_failed, peer.version_mismatch; closed
         except KvdError as exc:
             _throttle.warning("peer.handshake_failed", remote=remote, reason=clip_text(exc.message))
             return  # the stream is closed

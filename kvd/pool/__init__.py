@@ -3,7 +3,7 @@
 Backends (one module each, behind :class:`PoolMemory`): :class:`HostMemory` (memfd),
 :class:`DeviceMemory` (cuMemAlloc + CUDA IPC), :class:`PosixFdMemory` (VMM, fd),
 :class:`FabricMemory` (VMM, fabric handle). :func:`choose_and_create` applies the pool memory
-policy (docs/design.md, "Pool memory policy"); :class:`Pool` ties memory, layout and
+policy (README.md, "Configuration"); :class:`Pool` ties memory, layout and
 :class:`BlockAllocator` together. CUDA is imported lazily: importing this package on a CPU-only
 machine never touches the driver.
 """

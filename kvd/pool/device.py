@@ -1,6 +1,6 @@
 """Ordinary device memory: one ``cuMemAlloc`` allocation shared by CUDA IPC handle.
 
-The fallback when fabric memory is unavailable (docs/design.md, "Pool memory policy"): cudaMalloc
+The fallback when fabric memory is unavailable (README.md, "Configuration"): cudaMalloc
 memory is what UCX cuda_ipc writes into at link speed, unlike POSIX-fd VMM memory. The whole
 pool is one driver allocation (not torch's caching allocator, whose blocks are sub-allocations
 that CUDA IPC cannot export on their own), exported with ``cuIpcGetMemHandle`` as a 64-byte

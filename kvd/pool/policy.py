@@ -1,7 +1,7 @@
 """Which memory a pool gets: a pure decision (:func:`decide`) and its executor
 (:func:`choose_and_create`), which probes and creates.
 
-The pool memory policy (docs/design.md, "Pool memory policy"). ``PoolConfig.memory`` is one of:
+The pool memory policy (README.md, "Configuration"). ``PoolConfig.memory`` is one of:
 
 - ``auto`` (default): on a GPU (``device >= 0``) try fabric memory by allocating, exporting and
   importing it (the device attribute can lie), else fall back to ``device`` memory with the

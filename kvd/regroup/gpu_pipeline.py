@@ -12,7 +12,7 @@ CUDA memory, possibly on different GPUs. Per chunk of the bounce schedule:
 The streams are chained with events, so chunk k+1 is gathered while chunk k crosses the link
 and chunk k-1 is scattered: the slowest stage (the link) sets the pace. Done in one pass over
 the schedule from one thread; nothing waits on the host until the end. Measured alternatives
-(kvd/gpu_copy.py): copy-engine 2D copies straight into the peer pool pay ~2.5 µs of driver time
+(kvd/regroup/gpu_copy.py): copy-engine 2D copies straight into the peer pool pay ~2.5 µs of driver time
 per copy (145 GB/s for 1,024 copies), and a single-stream gather→copy→scatter serialises the
 three stages (~270 GB/s).
 """

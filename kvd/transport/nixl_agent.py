@@ -1,7 +1,7 @@
 """A thin, typed, trio-friendly wrapper of one NIXL agent with the UCX backend.
 
 What this module knows about NIXL 1.5.1 (``nixl-cu13``), measured on a 2-core CPU machine with
-two processes over loopback (DRAM); docs/design.md, "Facts about the dependencies", has more:
+two processes over loopback (DRAM):
 
 Progress and polling
     With ``progress_thread=False`` (the default, and the faster choice on small hosts) nothing
