@@ -147,7 +147,9 @@ def print_rows(title: str, rows: list[dict[str, Any]]) -> None:
     print(f"  {'blocks':>6} {'MiB':>7} {'order':<10} {'path':<7} {'p50 ms':>8} {'p99 ms':>8} {'GB/s':>7}"
           f" {'rtt':>4}  ctx stages (ms since data path start)")
     for r in rows:
-        stages = " ".join(f"{k}={v * 1e3:.2f}" for k, v in r["ctx_stages_s"].items())
+        # stage times print in ms; the GPU path's launch counts (gpu_kernel_*) are counts
+        stages = " ".join(f"{k}={v:.0f}" if k.startswith("gpu_kernel_") else f"{k}={v * 1e3:.2f}"
+                          for k, v in r["ctx_stages_s"].items())
         rtt = ",".join(str(x) for x in r["round_trips"])
         print(f"  {r['blocks']:>6} {r['bytes'] / (1 << 20):>7.1f} {r['order']:<10} {r['path']:<7}"
               f" {r['p50_s'] * 1e3:>8.2f} {r['p99_s'] * 1e3:>8.2f} {r['gbps_p50']:>7.2f} {rtt:>4}  {stages}")

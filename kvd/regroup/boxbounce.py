@@ -90,7 +90,11 @@ def gather_box(p: Plan, c: BoxChunk, src_pool: torch.Tensor, slot: torch.Tensor)
         shape = _staged_shape(c, view)
         staged = slot[: c.nbytes].view(view.dtype).view(shape)
         ids = torch.tensor(c.src_ids, device=view.device)
-        torch.index_select(view, 0, ids, out=staged)
+        if staged.device == view.device:
+            torch.index_select(view, 0, ids, out=staged)
+        else:  # a daemon with pools on several GPUs stages on one of them: select, then copy over
+            staged.copy_(torch.index_select(view, 0, ids))
+            torch.cuda.current_stream(staged.device).synchronize()
         torch.cuda.current_stream(view.device).synchronize()
         return
     src = _as_array(src_pool)
@@ -107,7 +111,8 @@ def scatter_box(p: Plan, c: BoxChunk, slot: torch.Tensor, dst_pool: torch.Tensor
         shape = _staged_shape(c, view)
         staged = slot[: c.nbytes].view(view.dtype).view(shape)
         ids = torch.tensor(c.dst_ids, device=view.device)
-        view.index_copy_(0, ids, staged)
+        # Staging may sit on another GPU of this daemon (it lives on the first GPU pool's device).
+        view.index_copy_(0, ids, staged if staged.device == view.device else staged.to(view.device))
         torch.cuda.current_stream(view.device).synchronize()
         return
     dst = _as_array(dst_pool)

@@ -474,17 +474,34 @@ class Transfer:
         try:
             with scope:
                 await body()
+        except BaseExceptionGroup as group:
+            # An abort cancels the scope while a write may fail at the same moment (e.g. the
+            # peer's NIXL agent was just removed): the group then holds Cancelled *and* the
+            # error, which ``except Exception`` would let escape and take the daemon down.
+            # The same when the transfer's own nursery is cancelled once its machine is final.
+            failures, cancelled = group.split(Exception)
+            if failures is not None:
+                self._fail_task(role, failures)
+            if cancelled is not None and not scope.cancel_called:
+                raise cancelled from None  # a cancellation from outside goes on, without the error
         except Exception as exc:
-            kvd_exc = _first_kvd_error(exc)
-            if kvd_exc is not None:
-                if self.machine.state(role) is not f.State.ABORTING:
-                    self.feed(f.LocalFailure(role, kvd_exc.code, kvd_exc.message))
-                return
-            log.exception("transfer.internal_error")
-            if self.machine.state(role) is not f.State.ABORTING:
-                self.feed(f.LocalFailure(role, InternalError.code, f"internal error: {type(exc).__name__}: {exc}"))
+            self._fail_task(role, exc)
         finally:
             self._scopes.pop(role, None)
+
+    def _fail_task(self, role: f.Role, exc: BaseException) -> None:
+        """A data-path task of ``role`` raised ``exc``: the machine hears of it (once)."""
+        if self.machine.finished:  # nothing left to fail: say it happened, the request is settled
+            log.warning("transfer.task_failed_after_end", role=role.value, error=f"{type(exc).__name__}: {exc}")
+            return
+        kvd_exc = _first_kvd_error(exc)
+        if kvd_exc is not None:
+            if self.machine.state(role) is not f.State.ABORTING:
+                self.feed(f.LocalFailure(role, kvd_exc.code, kvd_exc.message))
+            return
+        log.error("transfer.internal_error", exc_info=exc)
+        if self.machine.state(role) is not f.State.ABORTING:
+            self.feed(f.LocalFailure(role, InternalError.code, f"internal error: {type(exc).__name__}: {exc}"))
 
     def _job(self, p: Plan, side: Side) -> Job:
         cfg = self.env.cfg
