@@ -241,3 +241,60 @@ async def test_restarted_peer_is_reconnected(daemon_factory: Factory, short_tmp:
     pair.gen = gen2
     out = await run_transfer(pair, CTX, GEN, request_id="r-after", blocks=4)
     assert_exact(out, GEN)
+
+
+GEN_EXECUTOR = """
+import sys, time
+from clients import Client
+from protocol.layout import KVLayout
+c = Client(sys.argv[1])
+ids = c.alloc("gen1", 4)
+c.expect(sys.argv[2], "gen1", KVLayout(4, 8, 64, 16, "bfloat16", tp_size=2), 1, ids, ranks=[0, 1],
+         deadline_s=60, peer=sys.argv[3])
+print("expected", flush=True)
+time.sleep(120)
+"""
+
+
+def _failed(d: DaemonProcess, rid: str) -> list[str]:
+    return [line for line in d.log().splitlines() if '"event": "transfer.failed"' in line and f'"{rid}"' in line]
+
+
+@pytest.mark.parametrize("gen_peer", ["", "ctx"])
+async def test_gen_executor_killed_before_ctx_publishes_fails_ctx(
+        daemon_factory: Factory, short_tmp: Path, gen_peer: str) -> None:
+    """Every gen rank registered, one is killed, then ctx publishes: ctx learns gen's failure
+    from the gen daemon (the offer is answered with it), instead of waiting for its deadline."""
+    pair = start_pair(daemon_factory, short_tmp, CTX, GEN)
+    rid = "r-genfail"
+    async with open_client(pair.gen.socket_path, client="gen0") as g0:
+        await wait_for_peer(g0)
+        await g0.expect(rid, "gen0", GEN, 0, await g0.alloc("gen0", 4), ranks=[0, 1], deadline_s=60, peer=gen_peer)
+        proc = subprocess.Popen([sys.executable, "-c", GEN_EXECUTOR, pair.gen.socket_path, rid, gen_peer],
+                                stdout=subprocess.PIPE)
+        assert proc.stdout is not None
+        line = await trio.to_thread.run_sync(proc.stdout.readline)
+        assert line.strip() == b"expected"  # the gen side is complete: both ranks registered
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()
+        with pytest.raises(TransferCancelled, match="session"):
+            await g0.wait(rid)
+    async with open_client(pair.ctx.socket_path, client="ctx0") as c:
+        ids = await c.alloc("ctx0", 4)
+        registered = False
+        # the deadline is far off: the failure comes from the gen daemon's answer, not from it
+        with trio.fail_after(30), pytest.raises(TransferCancelled, match="gen side failed") as info:
+            await c.publish(rid, "ctx0", CTX, 0, ids, peer="gen", deadline_s=120)
+            registered = True
+            await c.wait(rid)
+        assert info.value.code == TransferCancelled.code
+    if not gen_peer:  # gen never spoke to ctx: the publish is accepted, its offer answered with the failure
+        assert registered
+    # (with a named peer gen told ctx proactively: a publish after that news is refused at once)
+    assert len(_failed(pair.gen, rid)) == 1
+    assert len(_failed(pair.ctx, rid)) == (1 if registered else 0)
+    # both daemons serve a new request, and nothing stays leased
+    out = await run_transfer(pair, CTX, GEN, request_id="r-after-genfail", blocks=4, gen_peer=gen_peer)
+    assert_exact(out, GEN)
+    await assert_clean(pair.ctx, pair.gen)

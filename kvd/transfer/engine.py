@@ -353,12 +353,21 @@ class Engine:
         if not gone or self.transfers.get(t.key) is not t or t.forgetting:
             return
         t.forgetting = True
-        if all(r in t.sides and t.sides[r].complete for r in t.machine.here):
+        if all(r in t.sides and t.sides[r].complete for r in t.machine.here) and not self._ctx_may_ask(t):
             del self.transfers[t.key]  # every rank here registered and heard the outcome
             return
-        # a side ended before all its ranks registered: a late rank still learns how it ended
+        # a side ended before all its ranks registered: a late rank still learns how it ended;
+        # gen failed before ctx spoke up: ctx's offer, when it comes, is answered with the failure
         assert self._nursery is not None
         self._nursery.start_soon(self._forget_later, t)
+
+    @staticmethod
+    def _ctx_may_ask(t: Transfer) -> bool:
+        """gen's side here failed while the peer's ctx side was never heard from: its offer may
+        still come, and must get the failure rather than wait for its deadline."""
+        m_ = t.machine
+        return (f.Role.GEN in m_.here and not m_.local and m_.state(f.Role.GEN) is f.State.FAILED
+                and m_.state(f.Role.CTX) is f.State.IDLE)
 
     async def _forget_later(self, t: Transfer) -> None:
         await trio.sleep(TOMBSTONE_S)
@@ -410,8 +419,23 @@ class Engine:
         """Route one transfer-control message from ``link`` into its transfer's inbox."""
         rid = msg.request_id
         t = self.transfers.get((link.node, rid))
-        if t is not None and t.finished.is_set() and isinstance(msg, x.XferOffer | x.XferAnnounce):
-            await self._refuse(link, rid, "ctx" if isinstance(msg, x.XferAnnounce) else "gen",
+        if t is None and isinstance(msg, x.XferOffer | x.XferPath):
+            # a gen side that ended here without naming its peer (kept a while as a tombstone)
+            unmatched = self.transfers.get(("", rid))
+            if unmatched is not None and unmatched.finished.is_set():
+                t = unmatched
+        if t is not None and t.finished.is_set() and isinstance(msg, x.XferOffer | x.XferAnnounce | x.XferPath):
+            sender = "ctx" if isinstance(msg, x.XferAnnounce) else "gen"
+            mine = t.machine.side(f.Role(sender))
+            if f.Role(sender) in t.machine.here and mine.state is f.State.FAILED:
+                # our side failed before the peer's got going: tell it why, not "ran already"
+                await self._tell(link, x.XferFail(request_id=rid, code=mine.code, message=mine.message,
+                                                  writes_stopped=True, sender=sender))
+                return
+            if isinstance(msg, x.XferPath):
+                log.debug("transfer.late_message", peer=link.node, request_id=rid, type="XferPath")
+                return
+            await self._refuse(link, rid, sender,
                                DuplicateRequest(f"request {rid!r} already ran here; use a new request id"))
             return
         if t is None:
@@ -437,9 +461,13 @@ class Engine:
         t.post(msg)
 
     async def _refuse(self, link: PeerLink, rid: str, sender: str, exc: KvdError) -> None:
+        await self._tell(link, x.XferFail(request_id=rid, code=exc.code, message=exc.message,
+                                          writes_stopped=True, sender=sender))
+
+    @staticmethod
+    async def _tell(link: PeerLink, msg: x.XferFail) -> None:
         with contextlib.suppress(KvdError):
-            await link.send(x.XferFail(request_id=rid, code=exc.code, message=exc.message,
-                                       writes_stopped=True, sender=sender))
+            await link.send(msg)
 
     def link_up(self, link: PeerLink) -> None:
         """A link to ``link.node`` is up: a new peer instance proves the old one writes no more."""
