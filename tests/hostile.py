@@ -12,6 +12,7 @@ import json
 import os
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,6 +65,19 @@ def fd_count(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
+def _receive_frame(sock: socket.socket, frames: FrameBuffer, ready: list[Any], decode: Callable[[bytes], Any]) -> Any:
+    """The next decoded frame from ``sock`` (frames already read first), or None once it closed."""
+    while not ready:
+        try:
+            data = sock.recv(1 << 20)
+        except ConnectionResetError:
+            data = b""
+        if not data:
+            return None
+        ready.extend(decode(p) for p in frames.feed(data))
+    return ready.pop(0)
+
+
 class Raw:
     """A raw executor-socket connection speaking frames (no client library checks)."""
 
@@ -87,15 +101,8 @@ class Raw:
         self.send(frame(msgspec.msgpack.encode(body)))
 
     def receive(self) -> m.Message | None:
-        while not self.ready:
-            try:
-                data = self.sock.recv(1 << 20)
-            except ConnectionResetError:
-                data = b""
-            if not data:
-                return None
-            self.ready.extend(decode_reply(p) for p in self.frames.feed(data))
-        return self.ready.pop(0)
+        msg: m.Message | None = _receive_frame(self.sock, self.frames, self.ready, decode_reply)
+        return msg
 
     def error(self) -> m.Error:
         reply = self.receive()
@@ -123,15 +130,8 @@ class RawPeer:
             self.sock.sendall(data)  # the daemon may have closed: what it sent is still readable
 
     def receive(self) -> msgspec.Struct | None:
-        while not self.ready:
-            try:
-                data = self.sock.recv(1 << 20)
-            except ConnectionResetError:
-                data = b""
-            if not data:
-                return None
-            self.ready.extend(decode_peer(p) for p in self.frames.feed(data))
-        return self.ready.pop(0)
+        msg: msgspec.Struct | None = _receive_frame(self.sock, self.frames, self.ready, decode_peer)
+        return msg
 
     def rest(self) -> list[msgspec.Struct]:
         """Everything until the daemon closes (after our EOF)."""
