@@ -101,7 +101,7 @@ class BlockAllocator:
             # (a 256-block publish spent ~0.4 ms in the loop below); any doubt takes the loop,
             # which names the offending id
             n = len(block_ids)
-            if (0 <= min(block_ids) and max(block_ids) < self._num_blocks and len(set(block_ids)) == n
+            if (min(block_ids) >= 0 and max(block_ids) < self._num_blocks and len(set(block_ids)) == n
                     and (n == 1 or all(map(eq, itemgetter(*block_ids)(self._owner), repeat(session_id))))
                     and (n > 1 or self._owner[block_ids[0]] == session_id)):
                 return list(block_ids)
