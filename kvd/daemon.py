@@ -225,6 +225,10 @@ class Daemon:
         """Wait for a request's completion (runs as a session task)."""
         return await self._engine().wait(session, msg)
 
+    def completion_now(self, session: Session, msg: m.Wait) -> m.Message | None:
+        """The reply to a wait whose request has ended already, else None (then :meth:`wait`)."""
+        return self._engine().completion_now(session, msg)
+
     def _engine(self) -> Engine:
         if self.engine is None:
             raise NotFound("this daemon has no transfer engine running")

@@ -357,6 +357,15 @@ async def _dispatch(
                 ),
             )
             return
+        try:
+            ready = daemon.completion_now(session, msg)
+        except KvdError as exc:
+            await conn.send_error(msg.id, exc)
+            return
+        if ready is not None:  # ended already: reply now (a session task costs a scheduler pass)
+            await conn.send(ready)
+            mark("session.replied", "Completion")
+            return
         session.inflight += 1
         nursery.start_soon(_run_slow, conn, msg.id, lambda: daemon.wait(session, msg))
         return

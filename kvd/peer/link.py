@@ -21,6 +21,7 @@ Failures are the :mod:`protocol.errors` classes: ``AuthFailed`` (both sides, log
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 from collections import deque
 from collections.abc import Callable
@@ -176,9 +177,27 @@ class PeerConnection:
         of it as of any broken link."""
         if not self._writer_running or self._closed_by_us or self.write_error:
             return False
-        self._outbox.append(encode_peer(msg, self._max_frame_size))
+        data = encode_peer(msg, self._max_frame_size)
+        if not self._outbox and not self._send_lock.locked():
+            # nothing queued and no write under way: straight into the socket (what it does
+            # not take now is queued, first in line, for the writer)
+            data = data[self._write_now(data):]
+            if not data:
+                return True
+        self._outbox.append(data)
         self._outbox_ready.set()
         return True
+
+    def _write_now(self, data: bytes) -> int:
+        """Bytes of ``data`` the stream's socket took without blocking (0 when it has none,
+        or would block; an error is left to the writer, which then sees it)."""
+        sock = getattr(self.stream, "socket", None)
+        if sock is None:
+            return 0
+        try:
+            return os.write(sock.fileno(), data)
+        except OSError:
+            return 0
 
     async def run_writer(self) -> None:
         """Write what :meth:`send_nowait` queues, in order, batching what piled up into one

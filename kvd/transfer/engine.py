@@ -275,6 +275,18 @@ class Engine:
             raise NotFound(f"request {rid!r} is not registered by this session")
         return t
 
+    def completion_now(self, session: Session, msg: m.Wait) -> m.Completion | None:
+        """The reply to ``msg`` if the request has ended already (None: :meth:`wait` it).
+        Raises as :meth:`wait` does for a request this session did not register."""
+        t = self._of_session(session, msg.request_id)
+        sides = [s for s in t.sides.values() if session.id in s.sessions()]
+        if not sides or any(s.completion is None for s in sides):
+            return None
+        completion = sides[0].completion
+        assert completion is not None
+        self._collect(session.id, t)
+        return m.Completion(**{**{k: getattr(completion, k) for k in completion.__struct_fields__}, "id": msg.id})
+
     async def wait(self, session: Session, msg: m.Wait) -> m.Completion:
         """The completion of the session's side(s) of the request."""
         t = self._of_session(session, msg.request_id)
