@@ -1,0 +1,471 @@
+"""``kvd bench transfer --layout KIND|FILE --ctx-gpus 0 --gen-gpus 1,2,3,4 [--concurrent N]``.
+
+One bench run per layout (:mod:`kvd.bench.layout_spec`: ``tp1-tp4``, ``tp2-tp4``, ``tp4-tp1``,
+``pp2-pp1``, ``tp1-dp4`` or a TOML file), GPT-OSS-120B KV geometry. Two daemons on loopback:
+``ctx`` holds every ctx rank's pool (each on its ``--ctx-gpus`` GPU; a list of several ctx
+world sizes gives several ctx instances), ``gen`` one pool per gen rank (each on its
+``--gen-gpus`` GPU). One executor session per rank, every pool mapped into this process. For
+each of ``--paths`` (``mapped``: the same-node path; ``nixl``: mapped off, the NIXL paths):
+
+- ``sweep``: one request at a time per size in ``--sizes`` (blocks), best and median of
+  ``--repeat`` after a warm-up; GB/s = bytes landed on the gen ranks / (first publish -> last
+  completion), in aggregate and per gen GPU (its bytes / publish -> its ranks' last completion);
+- ``concurrent`` (``--concurrent N``): N requests of ``--concurrent-blocks`` blocks in flight at
+  once (round robin over ctx instances and attention-DP ranks), aggregate GB/s;
+- ``ctx_instances`` (more than one ctx instance): one request per ctx instance at once.
+
+Every request is verified byte for byte: each gen rank's blocks hold its layers and heads of
+the ctx data, and every gen-pool byte outside the requests keeps its sentinel. With
+``--device cuda`` the same run first measures the ceilings (:mod:`kvd.bench.ceiling`) and
+reports the end-to-end figures against them; with ``--device cpu`` the pools are host memory
+and there is no ceiling.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import trio
+
+from clients import open_client
+from clients.attach import MappedPool
+from clients.client import AsyncClient
+from kvd.bench.layout_spec import LayoutSpec, Placement, Side, SpecError, load_layout, parse_gpus, place
+from kvd.demo.launch import DaemonProcess
+from kvd.demo.pair import pool_entry, start_pools_pair
+from protocol.layout import TRTLLM_AXIS_ORDER, KVLayout
+from protocol.messages import Completion
+
+MiB = 1 << 20
+SENTINEL = 0xEE  # every gen-pool byte no request writes keeps it
+WAIT_S = 120.0
+
+#: Options that select this bench (``kvd bench transfer`` hands the run over when one is given).
+OPTIONS = ("--layout", "--ctx-gpus", "--gen-gpus", "--concurrent")
+
+
+def wanted(argv: list[str]) -> bool:
+    """Whether ``argv`` asks for the layout bench."""
+    return any(a.split("=", 1)[0] in OPTIONS for a in argv)
+
+
+@dataclass
+class Request:
+    """One request of a section: its ranks, blocks, data and completions."""
+
+    index: int  # in its section: picks the ctx instance and attention-DP ranks, names the request
+    instance: int
+    ctx_ranks: list[int]
+    gen_ranks: list[int]
+    blocks: int
+    rid: str = ""
+    ctx_ids: dict[int, list[int]] = field(default_factory=dict)
+    gen_ids: dict[int, list[int]] = field(default_factory=dict)
+    #: the request's KV bytes, all layers and heads: (blocks, layers, 2, heads, tokens, head bytes)
+    data: torch.Tensor | None = None
+    done: dict[str, float] = field(default_factory=dict)  # executor -> perf_counter at completion
+    completions: dict[str, Completion] = field(default_factory=dict)
+
+
+class Rig:
+    """A running daemon pair and its executors: one session per rank, every pool mapped here."""
+
+    def __init__(self, ctx_d: DaemonProcess, gen_d: DaemonProcess, spec: LayoutSpec, placement: Placement) -> None:
+        self.ctx_d, self.gen_d = ctx_d, gen_d
+        self.ctx_layout, self.gen_layout = spec.layouts()
+        self.spec, self.placement = spec, placement
+        self.ctx: dict[tuple[int, int], AsyncClient] = {}
+        self.gen: dict[int, AsyncClient] = {}
+        self.ctx_pools: dict[tuple[int, int], MappedPool] = {}
+        self.gen_pools: dict[int, MappedPool] = {}
+
+    async def open(self, stack: contextlib.AsyncExitStack) -> None:
+        """Connect every rank's session and map its pool (closed with ``stack``)."""
+        for k in range(self.placement.instances):
+            for r in range(self.placement.ctx_world):
+                c = await stack.enter_async_context(open_client(self.ctx_d.socket_path, client=f"bench-ctx{k}r{r}"))
+                self.ctx[k, r] = c
+                self.ctx_pools[k, r] = stack.enter_context(await c.attach(ctx_pool_name(k, r)))
+        for g in range(self.placement.gen_world):
+            c = await stack.enter_async_context(open_client(self.gen_d.socket_path, client=f"bench-gen{g}"))
+            self.gen[g] = c
+            self.gen_pools[g] = stack.enter_context(await c.attach(f"gen{g}"))
+        with trio.fail_after(30):  # gen may name its ctx peer once ctx's link is up (a known peer)
+            while (await self.gen[0].stats()).peers_connected < 1:
+                await trio.sleep(0.01)
+
+    # -- block views ------------------------------------------------------------------------
+    @staticmethod
+    def _blocks(pool: MappedPool, layout: KVLayout, rank: int) -> torch.Tensor:
+        """The pool's bytes as (block, layer, kv, head, token, head bytes) uint8."""
+        s = layout.local_shape(rank)
+        held = pool.info.layout  # the daemon's word on the block count (the mapping may be rounded up)
+        nb = held.num_blocks if held is not None else pool.nbytes // layout.block_bytes(rank)
+        return pool.raw[: nb * layout.block_bytes(rank)].view(
+            nb, s["layer"], 2, s["head"], s["token"], s["dim"] * layout.itemsize)
+
+    def _slice(self, layout: KVLayout, rank: int, data: torch.Tensor) -> torch.Tensor:
+        lo, hi = layout.layer_range(rank // layout.tp_size)
+        h0, h1 = layout.head_range(rank % layout.tp_size)
+        return data[:, lo:hi, :, h0:h1]
+
+    # -- a section's life -------------------------------------------------------------------
+    async def prepare(self, reqs: list[Request], seed: int) -> None:
+        """Lease every request's blocks and write its random KV into the ctx pools."""
+        g = self.gen_layout
+        for i, req in enumerate(reqs):
+            for r in req.ctx_ranks:
+                req.ctx_ids[r] = await self.ctx[req.instance, r].alloc(ctx_pool_name(req.instance, r), req.blocks)
+            for rank in req.gen_ranks:
+                req.gen_ids[rank] = await self.gen[rank].alloc(f"gen{rank}", req.blocks)
+            home = self.ctx_pools[req.instance, req.ctx_ranks[0]].raw.device
+            gen = torch.Generator(device=home).manual_seed(seed + i)
+            shape = (req.blocks, g.num_layers, 2, g.num_kv_heads, g.tokens_per_block, g.head_dim * g.itemsize)
+            req.data = torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8, device=home)
+            for r in req.ctx_ranks:
+                pool = self.ctx_pools[req.instance, r]
+                view = self._blocks(pool, self.ctx_layout, r)
+                idx = torch.tensor(req.ctx_ids[r], device=view.device)
+                view[idx] = self._slice(self.ctx_layout, r, req.data).to(view.device)
+        _sync_all()
+
+    async def release(self, reqs: list[Request]) -> None:
+        for req in reqs:
+            for r, ids in req.ctx_ids.items():
+                await self.ctx[req.instance, r].free(ctx_pool_name(req.instance, r), ids)
+            for rank, ids in req.gen_ids.items():
+                await self.gen[rank].free(f"gen{rank}", ids)
+
+    def reset(self) -> None:
+        """Every gen-pool byte to the sentinel (so a request that writes nothing is seen)."""
+        for pool in self.gen_pools.values():
+            pool.raw.fill_(SENTINEL)
+        _sync_all()
+
+    async def run(self, reqs: list[Request], tag: str) -> float:
+        """Register every request on gen, then publish them all at once; returns the wall time
+        from the first publish to the last completion (ctx and gen executors alike)."""
+        for req in reqs:
+            req.rid = f"{tag}-{req.index}"
+            req.done.clear()
+            req.completions.clear()
+            for rank in req.gen_ranks:
+                await self.gen[rank].expect(req.rid, f"gen{rank}", self.gen_layout, rank, req.gen_ids[rank],
+                                            ranks=req.gen_ranks, peer="ctx")
+
+        async def wait(c: AsyncClient, req: Request, who: str) -> None:
+            req.completions[who] = await c.wait(req.rid, timeout_s=WAIT_S)
+            req.done[who] = time.perf_counter()
+
+        async def publish(req: Request, r: int) -> None:
+            c = self.ctx[req.instance, r]
+            await c.publish(req.rid, ctx_pool_name(req.instance, r), self.ctx_layout, r, req.ctx_ids[r],
+                            peer="gen", ranks=req.ctx_ranks)
+            await wait(c, req, f"ctx{r}")
+
+        async with trio.open_nursery() as nursery:
+            for req in reqs:
+                for rank in req.gen_ranks:
+                    nursery.start_soon(wait, self.gen[rank], req, f"gen{rank}")
+            t0 = time.perf_counter()
+            for req in reqs:
+                for r in req.ctx_ranks:
+                    nursery.start_soon(publish, req, r)
+        for req in reqs:
+            for who in req.done:
+                req.done[who] -= t0
+        return max(t for req in reqs for t in req.done.values())
+
+    def verify(self, reqs: list[Request]) -> dict[str, bool]:
+        """``exact``: every request's gen blocks hold their slice of its data; ``untouched``:
+        every other gen-pool byte still holds the sentinel."""
+        exact, untouched = True, True
+        leased: dict[int, list[int]] = {}
+        for req in reqs:
+            assert req.data is not None
+            for rank, ids in req.gen_ids.items():
+                leased.setdefault(rank, []).extend(ids)
+                view = self._blocks(self.gen_pools[rank], self.gen_layout, rank)
+                got = view[torch.tensor(ids, device=view.device)]
+                exact &= torch.equal(got, self._slice(self.gen_layout, rank, req.data).to(view.device))
+        for rank, pool in self.gen_pools.items():
+            view = self._blocks(pool, self.gen_layout, rank)
+            keep = torch.ones(view.shape[0], dtype=torch.bool, device=view.device)
+            if leased.get(rank):
+                keep[torch.tensor(leased[rank], device=view.device)] = False
+            untouched &= bool((view[keep] == SENTINEL).all())
+            tail = pool.raw[view.numel():]  # bytes past the last whole block, if any
+            untouched &= bool((tail == SENTINEL).all())
+        return {"exact": exact, "untouched": untouched}
+
+    def figures(self, reqs: list[Request], wall: float) -> dict[str, Any]:
+        """Bytes landed, aggregate and per-gen-GPU GB/s of one run of ``reqs``."""
+        per_gpu_bytes: dict[int, int] = {}
+        per_gpu_t: dict[int, float] = {}
+        for req in reqs:
+            for rank in req.gen_ranks:
+                gpu = self.placement.gen_gpu(rank)
+                per_gpu_bytes[gpu] = per_gpu_bytes.get(gpu, 0) + req.blocks * self.gen_layout.block_bytes(rank)
+                per_gpu_t[gpu] = max(per_gpu_t.get(gpu, 0.0), req.done[f"gen{rank}"])
+        total = sum(per_gpu_bytes.values())
+        paths = sorted({c.path for req in reqs for c in req.completions.values()})
+        return {
+            "bytes": total,
+            "wall_s": wall,
+            "gbps": total / wall / 1e9,
+            "per_gen_gpu": {str(d): {"bytes": n, "gbps": n / per_gpu_t[d] / 1e9} for d, n in sorted(per_gpu_bytes.items())},
+            "path": ",".join(paths),
+            "ctx_completion_bytes": sum(c.bytes for req in reqs for who, c in req.completions.items()
+                                        if who.startswith("ctx")),
+        }
+
+
+def ctx_pool_name(instance: int, rank: int) -> str:
+    return f"ctx{instance}r{rank}"
+
+
+def _sync_all() -> None:
+    if torch.cuda.is_available():
+        for d in range(torch.cuda.device_count()):
+            torch.cuda.synchronize(d)
+
+
+async def _section(rig: Rig, name: str, reqs: list[Request], repeat: int, seed: int) -> dict[str, Any]:
+    """Warm-up, then ``repeat`` timed runs of ``reqs`` in flight together, each verified."""
+    await rig.prepare(reqs, seed)
+    runs: list[tuple[float, dict[str, Any]]] = []
+    checks = {"exact": True, "untouched": True}
+    try:
+        for it in range(repeat + 1):
+            rig.reset()
+            wall = await rig.run(reqs, f"{name}-{it}")
+            for k, v in rig.verify(reqs).items():
+                checks[k] &= v
+            if it:  # the first run warms up (first touch of pools, index building, UCX lanes)
+                runs.append((wall, rig.figures(reqs, wall)))
+    finally:
+        await rig.release(reqs)
+    best = min(runs, key=lambda x: x[0])[1]
+    return {**best, "requests": len(reqs), "blocks_each": reqs[0].blocks, "best_s": best["wall_s"],
+            "median_s": statistics.median(w for w, _ in runs), "verified": checks["exact"] and checks["untouched"],
+            "checks": checks}
+
+
+async def _path_run(workdir: Path, spec: LayoutSpec, placement: Placement, args: argparse.Namespace, mapped: bool,
+                    sizes: list[int]) -> dict[str, Any]:
+    ctx_layout, gen_layout = spec.layouts()
+    cuda = args.device == "cuda"
+    memory = "auto" if cuda else "host"
+    k_inst, conc, cb = placement.instances, args.concurrent, args.concurrent_blocks
+    ctx_blocks = max(max(sizes), -(-conc // k_inst) * cb, cb if k_inst > 1 else 0)
+    gen_blocks = max(max(sizes), conc * cb, k_inst * cb if k_inst > 1 else 0)
+    ctx_pools = [pool_entry(ctx_pool_name(k, r), ctx_layout, r, memory=memory,
+                            device=placement.ctx_gpu(k, r) if cuda else -1, num_blocks=ctx_blocks)
+                 for k in range(k_inst) for r in range(placement.ctx_world)]
+    gen_pools = [pool_entry(f"gen{g}", gen_layout, g, memory=memory, device=placement.gen_gpu(g) if cuda else -1,
+                            num_blocks=gen_blocks) for g in range(placement.gen_world)]
+    sub = workdir / ("mapped" if mapped else "nixl")
+    sub.mkdir()
+    ctx_d, gen_d = start_pools_pair(sub, ctx_pools=ctx_pools, gen_pools=gen_pools, bounce_mb=args.bounce_mb,
+                                    chunk_mb=args.chunk_mb, extra_transfer={"mapped": mapped})
+    out: dict[str, Any] = {"sweep": []}
+    try:
+        rig = Rig(ctx_d, gen_d, spec, placement)
+        async with contextlib.AsyncExitStack() as stack:
+            await rig.open(stack)
+
+            def make(i: int, n: int, instance: int = 0) -> Request:
+                return Request(i, instance, spec.ctx.request_ranks(i), spec.gen.request_ranks(i), n)
+
+            for n in sizes:
+                out["sweep"].append(await _section(rig, f"s{n}", [make(0, n)], args.repeat, seed=n))
+            if conc:
+                reqs = [make(i, cb, i % k_inst) for i in range(conc)]
+                out["concurrent"] = await _section(rig, "c", reqs, args.repeat, seed=1000)
+            if k_inst > 1:
+                reqs = [make(i, cb, i) for i in range(k_inst)]
+                out["ctx_instances"] = await _section(rig, "i", reqs, args.repeat, seed=2000)
+    finally:
+        ctx_d.stop()
+        gen_d.stop()
+    return out
+
+
+def _ratios(report: dict[str, Any]) -> dict[str, Any]:
+    """Each path's end-to-end GB/s over the ceilings of the same run."""
+    ceil = report["ceilings"]
+    if not ceil:
+        return {}
+    fan = ceil["fanout"]
+    per_dst = {str(c["dst"]): c["gbps"] for c in fan["copies"]}
+    out: dict[str, Any] = {}
+    for path, res in report["paths"].items():
+        largest = res["sweep"][-1]
+        r: dict[str, Any] = {
+            "largest_vs_single": largest["gbps"] / ceil["single"]["gbps"],
+            "largest_vs_fanout_egress": largest["gbps"] / fan["gbps"],
+            "largest_per_gen_gpu_vs_fanout_dst": {d: v["gbps"] / per_dst[d] for d, v in largest["per_gen_gpu"].items()
+                                                  if per_dst.get(d)},
+        }
+        if "concurrent" in res:
+            r["concurrent_vs_fanout_egress"] = res["concurrent"]["gbps"] / fan["gbps"]
+            r["concurrent_vs_single"] = res["concurrent"]["gbps"] / ceil["single"]["gbps"]
+        if "ctx_instances" in res and "all_pairs" in ceil:
+            r["ctx_instances_vs_all_pairs"] = res["ctx_instances"]["gbps"] / ceil["all_pairs"]["gbps"]
+        out[path] = r
+    return out
+
+
+def _print(report: dict[str, Any]) -> None:
+    sc = report["scenario"]
+    pl = report["placement"]
+    print(f"kvd bench transfer: {sc['layout']} (ctx {sc['ctx']} -> gen {sc['gen']}), GPT-OSS-120B-shaped KV "
+          f"({sc['block_bytes_tp1'] / MiB:.2f} MiB a block), {sc['device']} pools, best of {sc['repeat']}")
+    ctx_where = ", ".join(f"i{c['instance']}r{c['rank']}@{c['gpu']}" for c in pl["ctx_ranks"])
+    gen_where = ", ".join(f"r{g['rank']}@{g['gpu']}" for g in pl["gen_ranks"])
+    unit = "GPU" if sc["device"] == "cuda" else "slot (host memory)"
+    print(f"  ctx ranks per {unit}: {ctx_where};  gen ranks: {gen_where}")
+    ceil = report["ceilings"]
+    if ceil:
+        s = ceil["single"]["copies"][0]
+        print(f"  ceiling: contiguous copy GPU{s['src']} -> GPU{s['dst']} alone    {ceil['single']['gbps']:8.1f} GB/s")
+        fan = ceil["fanout"]
+        dsts = "  ".join(f"GPU{c['dst']} {c['gbps']:.1f}" for c in fan["copies"])
+        print(f"  ceiling: GPU{s['src']} -> every gen GPU at once, egress {fan['gbps']:8.1f} GB/s   per destination: {dsts}")
+        if "all_pairs" in ceil:
+            ap = ceil["all_pairs"]
+            eg = "  ".join(f"GPU{k} {v:.1f}" for k, v in ap["egress_gbps"].items())
+            print(f"  ceiling: every ctx GPU -> every gen GPU at once {ap['gbps']:8.1f} GB/s   egress: {eg}")
+    else:
+        print(f"  ceiling: {report['ceiling_note']}")
+    for path, res in report["paths"].items():
+        print(f"  path config {path!r}:")
+        print(f"    {'blocks':>6} {'MiB':>8} {'path':<8} {'best ms':>8} {'med ms':>8} {'GB/s':>8}  per gen GPU GB/s"
+              "  verified")
+        rows = [(str(r["blocks_each"]), r) for r in res["sweep"]]
+        if "concurrent" in res:
+            c = res["concurrent"]
+            rows.append((f"{c['requests']}x{c['blocks_each']}", c))
+        if "ctx_instances" in res:
+            c = res["ctx_instances"]
+            rows.append((f"{c['requests']}ctx x{c['blocks_each']}", c))
+        for label, r in rows:
+            per = " ".join(f"{d}:{v['gbps']:.1f}" for d, v in r["per_gen_gpu"].items())
+            print(f"    {label:>6} {r['bytes'] / MiB:>8.1f} {r['path']:<8} {r['best_s'] * 1e3:>8.2f} "
+                  f"{r['median_s'] * 1e3:>8.2f} {r['gbps']:>8.2f}  {per}  {r['verified']}")
+        for k, v in report["ratios"].get(path, {}).items():
+            shown = " ".join(f"{d}:{x:.2f}" for d, x in v.items()) if isinstance(v, dict) else f"{v:.2f}"
+            print(f"    ratio {k:<36} {shown}")
+    print(f"  verification (every request byte-exact, untouched bytes intact): {report['verified']}")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvd bench transfer", description=(__doc__ or "").splitlines()[0])
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--layout", default="tp1-tp4", help="tp1-tp4, tp2-tp4, tp4-tp1, pp2-pp1, tp1-dp4 or a TOML file")
+    p.add_argument("--ctx-gpus", default="0", help="GPUs of the ctx ranks' pools (a multiple of the ctx world "
+                                                   "size: one ctx instance per group)")
+    p.add_argument("--gen-gpus", default="1", help="GPUs of the gen ranks' pools (shorter lists wrap)")
+    p.add_argument("--sizes", default="", help="request sizes in blocks (default cuda 1,16,64,256,512; cpu 1,4)")
+    p.add_argument("--repeat", type=int, default=0, help="timed runs per row after a warm-up (default cuda 5, cpu 2)")
+    p.add_argument("--concurrent", type=int, default=0, help="also N requests in flight at once")
+    p.add_argument("--concurrent-blocks", type=int, default=32, help="blocks per concurrent request (32 = 72 MiB)")
+    p.add_argument("--paths", default="mapped,nixl", help="mapped (same-node path) and/or nixl (mapped off)")
+    p.add_argument("--chunk-mb", type=int, default=0, help="NIXL chunk (default cuda 64, cpu 16)")
+    p.add_argument("--bounce-mb", type=int, default=0, help="bounce region (default cuda 512, cpu 64)")
+    p.add_argument("--json", action="store_true", help="print the JSON report instead of the table")
+    p.add_argument("--json-out", default="", help="also write the JSON report to this file")
+    return p
+
+
+def _check_args(args: argparse.Namespace) -> tuple[LayoutSpec, Placement, list[int], list[str]]:
+    cuda = args.device == "cuda"
+    spec = load_layout(args.layout)
+    if tuple(spec.ctx.layout(spec.geometry).axis_order) != TRTLLM_AXIS_ORDER:  # pragma: no cover - files cannot set it
+        raise SpecError("the layout bench runs the TensorRT-LLM axis order only")
+    have = None
+    if cuda:
+        have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if have < 2:
+            raise SpecError(f"--device cuda needs two or more CUDA GPUs, {have} here")
+    placement = place(parse_gpus("--ctx-gpus", args.ctx_gpus), parse_gpus("--gen-gpus", args.gen_gpus), spec, have)
+    try:
+        sizes = sorted({int(x) for x in (args.sizes or ("1,16,64,256,512" if cuda else "1,4")).split(",") if x})
+    except ValueError:
+        raise SpecError(f"--sizes {args.sizes!r}: give comma-separated block counts") from None
+    if not sizes or sizes[0] < 1:
+        raise SpecError(f"--sizes {args.sizes!r}: block counts must be positive")
+    paths = [p for p in args.paths.split(",") if p]
+    if not paths or set(paths) - {"mapped", "nixl"}:
+        raise SpecError(f"--paths {args.paths!r}: give mapped and/or nixl")
+    for name in ("concurrent", "concurrent_blocks", "repeat", "chunk_mb", "bounce_mb"):
+        if getattr(args, name) < 0 or (name == "concurrent_blocks" and args.concurrent_blocks < 1):
+            raise SpecError(f"--{name.replace('_', '-')} must be positive")
+    args.repeat = args.repeat or (5 if cuda else 2)
+    args.chunk_mb = args.chunk_mb or (64 if cuda else 16)
+    args.bounce_mb = args.bounce_mb or (512 if cuda else 64)
+    return spec, placement, sizes, paths
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one layout; 0 when every request verified, 1 when one did not, 2 on a bad option."""
+    args = _parser().parse_args(argv)
+    try:
+        spec, placement, sizes, paths = _check_args(args)
+    except SpecError as exc:
+        print(f"kvd bench transfer: error: {exc}", file=sys.stderr)
+        return 2
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    gen_layout = spec.layouts()[1]
+    cuda = args.device == "cuda"
+    report: dict[str, Any] = {
+        "scenario": {"layout": spec.name, "ctx": spec.ctx.describe(), "gen": spec.gen.describe(),
+                     "ctx_side": spec.ctx.as_dict(), "gen_side": spec.gen.as_dict(), "geometry": spec.geometry,
+                     "block_bytes_tp1": Side().layout(spec.geometry).block_bytes(0),
+                     "device": args.device, "sizes": sizes, "repeat": args.repeat, "concurrent": args.concurrent,
+                     "concurrent_blocks": args.concurrent_blocks, "chunk_mb": args.chunk_mb,
+                     "bounce_mb": args.bounce_mb},
+        "placement": placement.as_dict(),
+        "ceilings": None,
+        "ceiling_note": "",
+        "paths": {},
+    }
+    if cuda:
+        from kvd.bench import ceiling
+
+        gen_bytes: dict[int, int] = {}
+        for rank in spec.gen.request_ranks(0):
+            gpu = placement.gen_gpu(rank)
+            gen_bytes[gpu] = gen_bytes.get(gpu, 0) + max(sizes) * gen_layout.block_bytes(rank)
+        report["scenario"]["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        report["ceilings"] = ceiling.measure(list(placement.ctx_gpus), gen_bytes, args.repeat)
+    else:
+        report["ceiling_note"] = "not measured: the contiguous-copy ceiling needs CUDA GPUs (--device cuda)"
+    workdir = Path(tempfile.mkdtemp(prefix="kvd-lbench-", dir="/tmp"))
+    try:
+        for path in paths:
+            report["paths"][path] = trio.run(_path_run, workdir, spec, placement, args, path == "mapped", sizes)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    report["ratios"] = _ratios(report)
+    report["verified"] = all(r["verified"] for res in report["paths"].values()
+                             for r in [*res["sweep"], *(res[k] for k in ("concurrent", "ctx_instances") if k in res)])
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(report, indent=2))
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        _print(report)
+    return 0 if report["verified"] else 1
