@@ -53,7 +53,9 @@ class Side:
         try:
             return KVLayout(**geometry, tp_size=self.tp_size, pp_size=self.pp_size,
                             attention_dp=self.attention_dp, layer_split=self.layer_split, num_blocks=num_blocks)
-        except (KvdError, TypeError) as exc:
+        except KvdError as exc:
+            raise SpecError(f"layout {self.describe()}: {exc.message}") from None
+        except TypeError as exc:
             raise SpecError(f"layout {self.describe()}: {exc}") from None
 
     @property

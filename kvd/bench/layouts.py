@@ -53,7 +53,7 @@ SENTINEL = 0xEE  # every gen-pool byte no request writes keeps it
 WAIT_S = 120.0
 
 #: Options that select this bench (``kvd bench transfer`` hands the run over when one is given).
-OPTIONS = ("--layout", "--ctx-gpus", "--gen-gpus", "--concurrent")
+OPTIONS = ("--layout", "--ctx-gpus", "--gen-gpus", "--concurrent", "--concurrent-blocks", "--paths")
 
 
 def wanted(argv: list[str]) -> bool:
@@ -227,8 +227,8 @@ class Rig:
             "gbps": total / wall / 1e9,
             "per_gen_gpu": {str(d): {"bytes": n, "gbps": n / per_gpu_t[d] / 1e9} for d, n in sorted(per_gpu_bytes.items())},
             "path": ",".join(paths),
-            "ctx_completion_bytes": sum(c.bytes for req in reqs for who, c in req.completions.items()
-                                        if who.startswith("ctx")),
+            # what the daemons reported moving (each ctx rank's completion counts the whole request)
+            "daemon_bytes": sum(req.completions[f"ctx{req.ctx_ranks[0]}"].bytes for req in reqs),
         }
 
 
