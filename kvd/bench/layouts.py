@@ -139,7 +139,7 @@ class Rig:
                 view = self._blocks(pool, self.ctx_layout, r)
                 idx = torch.tensor(req.ctx_ids[r], device=view.device)
                 view[idx] = self._slice(self.ctx_layout, r, req.data).to(view.device)
-        _sync_all()
+        _sync(list(self.ctx_pools.values()))
 
     async def release(self, reqs: list[Request]) -> None:
         for req in reqs:
@@ -152,7 +152,7 @@ class Rig:
         """Every gen-pool byte to the sentinel (so a request that writes nothing is seen)."""
         for pool in self.gen_pools.values():
             pool.raw.fill_(SENTINEL)
-        _sync_all()
+        _sync(list(self.gen_pools.values()))
 
     async def run(self, reqs: list[Request], tag: str) -> float:
         """Register every request on gen, then publish them all at once; returns the wall time
@@ -236,10 +236,10 @@ def ctx_pool_name(instance: int, rank: int) -> str:
     return f"ctx{instance}r{rank}"
 
 
-def _sync_all() -> None:
-    if torch.cuda.is_available():
-        for d in range(torch.cuda.device_count()):
-            torch.cuda.synchronize(d)
+def _sync(pools: list[MappedPool]) -> None:
+    """Wait for this process's writes to the pools' GPUs (the daemons read them next)."""
+    for dev in sorted({p.raw.device.index for p in pools if p.raw.is_cuda}):
+        torch.cuda.synchronize(dev)
 
 
 async def _section(rig: Rig, name: str, reqs: list[Request], repeat: int, seed: int) -> dict[str, Any]:
@@ -352,7 +352,7 @@ def _print(report: dict[str, Any]) -> None:
         print(f"  ceiling: {report['ceiling_note']}")
     for path, res in report["paths"].items():
         print(f"  path config {path!r}:")
-        print(f"    {'blocks':>6} {'MiB':>8} {'path':<8} {'best ms':>8} {'med ms':>8} {'GB/s':>8}  per gen GPU GB/s"
+        print(f"    {'blocks':>9} {'MiB':>8} {'path':<8} {'best ms':>8} {'med ms':>8} {'GB/s':>8}  per gen GPU GB/s"
               "  verified")
         rows = [(str(r["blocks_each"]), r) for r in res["sweep"]]
         if "concurrent" in res:
@@ -363,7 +363,7 @@ def _print(report: dict[str, Any]) -> None:
             rows.append((f"{c['requests']}ctx x{c['blocks_each']}", c))
         for label, r in rows:
             per = " ".join(f"{d}:{v['gbps']:.1f}" for d, v in r["per_gen_gpu"].items())
-            print(f"    {label:>6} {r['bytes'] / MiB:>8.1f} {r['path']:<8} {r['best_s'] * 1e3:>8.2f} "
+            print(f"    {label:>9} {r['bytes'] / MiB:>8.1f} {r['path']:<8} {r['best_s'] * 1e3:>8.2f} "
                   f"{r['median_s'] * 1e3:>8.2f} {r['gbps']:>8.2f}  {per}  {r['verified']}")
         for k, v in report["ratios"].get(path, {}).items():
             shown = " ".join(f"{d}:{x:.2f}" for d, x in v.items()) if isinstance(v, dict) else f"{v:.2f}"
@@ -372,7 +372,11 @@ def _print(report: dict[str, Any]) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvd bench transfer", description=(__doc__ or "").splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="kvd bench transfer",
+        description="One ctx/gen layout, each rank's pool on its GPU, through two daemons: GB/s per gen GPU and in "
+                    "aggregate, one request at a time and several in flight, every request verified; with "
+                    "--device cuda against contiguous-copy ceilings measured in the same run.")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--layout", default="tp1-tp4", help="tp1-tp4, tp2-tp4, tp4-tp1, pp2-pp1, tp1-dp4 or a TOML file")
     p.add_argument("--ctx-gpus", default="0", help="GPUs of the ctx ranks' pools (a multiple of the ctx world "
@@ -445,11 +449,16 @@ def main(argv: list[str] | None = None) -> int:
     if cuda:
         from kvd.bench import ceiling
 
+        # each gen GPU's share of the largest request; under attention DP consecutive requests go
+        # to consecutive DP ranks, so the share is the average over a round of them
         gen_bytes: dict[int, int] = {}
-        for rank in spec.gen.request_ranks(0):
-            gpu = placement.gen_gpu(rank)
-            gen_bytes[gpu] = gen_bytes.get(gpu, 0) + max(sizes) * gen_layout.block_bytes(rank)
-        report["scenario"]["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        rounds = spec.gen.tp_size if spec.gen.attention_dp else 1
+        for i in range(rounds):
+            for rank in spec.gen.request_ranks(i):
+                gpu = placement.gen_gpu(rank)
+                gen_bytes[gpu] = gen_bytes.get(gpu, 0) + max(sizes) * gen_layout.block_bytes(rank) // rounds
+        report["scenario"]["gpus"] = {str(i): torch.cuda.get_device_name(i)
+                                      for i in sorted({*placement.ctx_gpus, *placement.gen_gpus})}
         report["ceilings"] = ceiling.measure(list(placement.ctx_gpus), gen_bytes, args.repeat)
     else:
         report["ceiling_note"] = "not measured: the contiguous-copy ceiling needs CUDA GPUs (--device cuda)"

@@ -87,7 +87,10 @@ def main(argv: list[str] | None = None) -> int:
 
     if layouts.wanted(sys.argv[1:] if argv is None else argv):  # N-GPU layouts, concurrency: its own bench
         return layouts.main(argv)
-    parser = argparse.ArgumentParser(prog="kvd bench transfer", description=__doc__.splitlines()[0] if __doc__ else "")
+    parser = argparse.ArgumentParser(
+        prog="kvd bench transfer", description=__doc__.splitlines()[0] if __doc__ else "",
+        epilog="N-GPU layouts and concurrency: --layout KIND|FILE, --ctx-gpus, --gen-gpus, --concurrent N "
+               "(kvd bench transfer --layout tp1-tp4 --help lists their options)")
     parser.add_argument("--blocks", type=int, default=128, help="request size in blocks (2.25 MiB each)")
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--chunk-mb", type=int, default=16)
