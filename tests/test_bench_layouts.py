@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from kvd.bench.layout_spec import KINDS, Side, SpecError, load_layout, parse_gpus, place
-from kvd.bench.layouts import Request, Rig, ctx_pool_name
+from kvd.bench.layouts import Request, Rig, ctx_pool_name, failure
 from kvd.cli import main as kvd_main
 from kvd.demo.pair import pool_entry, start_pools_pair
 
@@ -144,12 +144,34 @@ async def test_verify_sees_a_wrong_byte_a_stray_byte_and_a_missing_write(short_t
             rig.reset()  # as if the transfer had written nothing
             assert rig.verify(reqs) == {"exact": False, "untouched": True}
             await rig.release(reqs)
+            # a request the ctx daemon refuses (a block id its session does not hold) ends the run
+            # with the daemon's reason as one line
+            bad = [Request(1, 0, [0], [0, 1, 2, 3], 1)]
+            await rig.prepare(bad, seed=6)
+            held = bad[0].ctx_ids[0][0]
+            bad[0].ctx_ids[0] = [next(b for b in range(4) if b != held)]
+            with pytest.raises(BaseExceptionGroup) as caught:
+                await rig.run(bad, "bad")
+            why = failure(caught.value)
+            assert why == f"BlockNotLeased: pool 'ctx0r0': block {bad[0].ctx_ids[0][0]} is not leased to session 1: it is free"
+            for rank in bad[0].gen_ranks:  # the gen side still expects it: cancel, so the daemons stop at once
+                await rig.gen[rank].cancel(bad[0].rid)
     finally:
         ctx_d.stop()
         gen_d.stop()
 
 
 # -- placement rules and bad options: one error line, non-zero exit ------------------------------
+
+def test_failure_lines() -> None:
+    from protocol.errors import BadRequest
+
+    assert failure(BadRequest("no\nsuch block")) == "BadRequest: no; such block"
+    nested = BaseExceptionGroup("tasks", [ExceptionGroup("inner", [BadRequest("refused")]), KeyboardInterrupt()])
+    assert failure(nested) == "BadRequest: refused"
+    assert failure(ExceptionGroup("tasks", [ValueError("a bug")])) is None
+    assert failure(ValueError("a bug")) is None
+
 
 def test_gpu_lists() -> None:
     assert parse_gpus("--gen-gpus", "1,2,3,4") == (1, 2, 3, 4)
@@ -213,7 +235,7 @@ def test_layout_errors(short_tmp: Path) -> None:
     (["--ctx-gpus", "1", "--gen-gpus", "1"], "--ctx-gpus and --gen-gpus share GPU 1"),
     (["--layout", "tp4-tp1", "--gen-gpus", "1,2"], "--gen-gpus lists 2 GPUs for gen TP1's 1 rank(s)"),
     (["--layout", "tp1-tp4", "--sizes", "1,x"], "--sizes '1,x': give comma-separated block counts"),
-    (["--layout", "tp1-tp4", "--sizes", "0"], "--sizes '0': block counts must be positive"),
+    (["--layout", "tp1-tp4", "--sizes", "0"], "--sizes '0': block counts must be in [1, "),
     (["--paths", "mapped,rdma"], "--paths 'mapped,rdma': give mapped and/or nixl"),
     (["--concurrent", "-1"], "--concurrent must be positive"),
 ])

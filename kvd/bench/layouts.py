@@ -45,7 +45,10 @@ from clients.client import AsyncClient
 from kvd.bench.layout_spec import LayoutSpec, Placement, Side, SpecError, load_layout, parse_gpus, place
 from kvd.demo.launch import DaemonProcess
 from kvd.demo.pair import pool_entry, start_pools_pair
+from kvd.startup import one_line
+from protocol.errors import KvdError
 from protocol.layout import TRTLLM_AXIS_ORDER, KVLayout
+from protocol.limits import MAX_NUM_BLOCKS
 from protocol.messages import Completion
 
 MiB = 1 << 20
@@ -232,6 +235,20 @@ class Rig:
         }
 
 
+def failure(exc: BaseException) -> str | None:
+    """One line for a kvd error a run ended with (a daemon that did not start, a request a
+    daemon refused or failed), alone or inside the exception groups of the tasks that
+    raised it; None for anything else (a bug: its traceback is worth more)."""
+    while isinstance(exc, BaseExceptionGroup):
+        kvd = exc.subgroup(KvdError)
+        if kvd is None:
+            return None
+        exc = kvd.exceptions[0]
+    if not isinstance(exc, KvdError):
+        return None
+    return one_line(f"{type(exc).__name__}: {exc.message or exc}")
+
+
 def ctx_pool_name(instance: int, rank: int) -> str:
     return f"ctx{instance}r{rank}"
 
@@ -409,8 +426,8 @@ def _check_args(args: argparse.Namespace) -> tuple[LayoutSpec, Placement, list[i
         sizes = sorted({int(x) for x in (args.sizes or ("1,16,64,256,512" if cuda else "1,4")).split(",") if x})
     except ValueError:
         raise SpecError(f"--sizes {args.sizes!r}: give comma-separated block counts") from None
-    if not sizes or sizes[0] < 1:
-        raise SpecError(f"--sizes {args.sizes!r}: block counts must be positive")
+    if not sizes or sizes[0] < 1 or sizes[-1] > MAX_NUM_BLOCKS:
+        raise SpecError(f"--sizes {args.sizes!r}: block counts must be in [1, {MAX_NUM_BLOCKS}]")
     paths = [p for p in args.paths.split(",") if p]
     if not paths or set(paths) - {"mapped", "nixl"}:
         raise SpecError(f"--paths {args.paths!r}: give mapped and/or nixl")
@@ -465,7 +482,14 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="kvd-lbench-", dir="/tmp"))
     try:
         for path in paths:
-            report["paths"][path] = trio.run(_path_run, workdir, spec, placement, args, path == "mapped", sizes)
+            try:
+                report["paths"][path] = trio.run(_path_run, workdir, spec, placement, args, path == "mapped", sizes)
+            except (KvdError, BaseExceptionGroup) as exc:
+                why = failure(exc)
+                if why is None:
+                    raise
+                print(f"kvd bench transfer: error: {spec.name}, path config {path}: {why}", file=sys.stderr)
+                return 1
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     report["ratios"] = _ratios(report)
