@@ -14,8 +14,9 @@ from typing import Any
 
 import pytest
 
+from kvd.bench.layout_rig import Request, Rig, ctx_pool_name
 from kvd.bench.layout_spec import KINDS, Side, SpecError, load_layout, parse_gpus, place
-from kvd.bench.layouts import Request, Rig, ctx_pool_name, failure
+from kvd.bench.layouts import failure
 from kvd.cli import main as kvd_main
 from kvd.demo.pair import pool_entry, start_pools_pair
 
