@@ -75,16 +75,14 @@ async def _section(rig: Rig, name: str, reqs: list[Request], repeat: int, seed: 
     await rig.prepare(reqs, seed)
     runs: list[tuple[float, dict[str, Any]]] = []
     checks = {"exact": True, "untouched": True}
-    try:
-        for it in range(repeat + 1):
-            rig.reset()
-            wall = await rig.run(reqs, f"{name}-{it}")
-            for k, v in rig.verify(reqs).items():
-                checks[k] &= v
-            if it:  # the first run warms up (first touch of pools, index building, UCX lanes)
-                runs.append((wall, rig.figures(reqs, wall)))
-    finally:
-        await rig.release(reqs)
+    for it in range(repeat + 1):
+        rig.reset()
+        wall = await rig.run(reqs, f"{name}-{it}")
+        for k, v in rig.verify(reqs).items():
+            checks[k] &= v
+        if it:  # the first run warms up (first touch of pools, index building, UCX lanes)
+            runs.append((wall, rig.figures(reqs, wall)))
+    await rig.release(reqs)  # not after a failed run: its blocks may still be the daemons' (they stop next)
     best = min(runs, key=lambda x: x[0])[1]
     return {**best, "requests": len(reqs), "blocks_each": reqs[0].blocks, "best_s": best["wall_s"],
             "median_s": statistics.median(w for w, _ in runs), "verified": checks["exact"] and checks["untouched"],
