@@ -26,7 +26,7 @@ def _serve(args: argparse.Namespace) -> int:
     except KvdError as exc:
         _configure_logging_from_env()
         return _report(config_error(args.config, exc), stage="startup")
-    configure_logging(config.log_format, config.log_level)
+    configure_logging(config.log_format, config.log_level, cache=True)
     ready = False
 
     async def run() -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, TypeVar
@@ -277,8 +278,10 @@ class Daemon:
     def pool_infos(self) -> list[m.PoolInfo]:
         return [p.info(sessions=p.blocks.sessions) for p in self.pools.values()]
 
-    def update_pool_metrics(self) -> None:
-        for name, pool in self.pools.items():
+    def update_pool_metrics(self, names: Iterable[str] | None = None) -> None:
+        """Set the pool gauges (of ``names``, or of every pool)."""
+        for name in self.pools if names is None else names:
+            pool = self.pools[name]
             self.metrics.set_pool(name, pool.blocks.used, pool.blocks.free_count)
 
     def stats(self) -> m.DaemonStats:
