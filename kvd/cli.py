@@ -107,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     benches = {
         "ipc": "executor <-> daemon round trips over the Unix socket",
         "regroup": "the regroup copies (gather/scatter, box copies) [--device cuda]",
-        "transfer": "two daemons end to end against raw NIXL [--device cuda] [--json]",
+        "transfer": "two daemons end to end against raw NIXL [--device cuda] [--json]; "
+                    "[--layout --ctx-gpus --gen-gpus --concurrent]: N-GPU layouts, requests in flight together",
     }
     bench_help = "\n".join(f"  {name:<10}{text}" for name, text in benches.items())
     p_bench = sub.add_parser(
