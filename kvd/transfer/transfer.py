@@ -1,12 +1,14 @@
 """One :class:`Transfer` per request: its state machine, its deadline, its leases, its tasks.
 
-The transfer is an actor. Everything that happens to the request arrives in its inbox (a trio
-memory channel): executor registrations, cancels and disconnects (fed by the engine), the
-peer's transfer-control messages (delivered by the peer link), NIXL notifications (from the
-poller) and what its own data-path tasks report. The actor feeds each one to the sans-IO
-:class:`~protocol.transfer_fsm.TransferMachine` and carries out the actions it returns: send a
-message, start the data path, abort writes, report to the executors. It never decides on its
-own when a side has failed or may give its blocks back: the machine does.
+The transfer is an actor. Everything that happens to the request — executor registrations,
+cancels and disconnects (fed by the engine), the peer's transfer-control messages (from the
+peer link), NIXL notifications (from the poller) and what its own data-path tasks report — is
+fed to the sans-IO :class:`~protocol.transfer_fsm.TransferMachine`, in order, and the actions it
+returns are carried out in order: send a message, start the data path, abort writes, report to
+the executors. When the actor has nothing pending this happens in the caller's step, as far
+as the actions need no waiting; the rest (and everything that comes meanwhile) goes through
+the actor's inbox (a trio memory channel). It never decides on its own when a side has failed
+or may give its blocks back: the machine does.
 """
 
 from __future__ import annotations
