@@ -214,7 +214,8 @@ class Transfer:
         """Deliver a peer message, a notification or a link event (never blocks): handled
         right here when the actor has nothing pending, else queued behind what it has."""
         if self._idle():
-            self._handle(item)
+            with structlog.contextvars.bound_contextvars(request_id=self.request_id):  # as on the actor
+                self._handle(item)
         else:
             self._queue(item)
 
@@ -228,23 +229,28 @@ class Transfer:
 
     def _run_inline(self, actions: list[f.Action]) -> list[f.Action]:
         """Carry out the leading actions that need no waiting; return the rest (for the actor),
-        followed by the actions of events those fed meanwhile."""
+        followed by the actions of events those fed meanwhile. Logged lines name the request,
+        as the actor's do."""
         self._inline = True
         try:
-            while True:
-                for i, a in enumerate(actions):
-                    try:
-                        done = self._act_now(a)
-                    except Exception as exc:  # as on the actor: this request fails, the caller goes on
-                        self._on_step_error(exc)
-                        done = True
-                    if not done:
-                        return actions[i:] + self._take_deferred()
-                if not self._deferred:
-                    return []
-                actions = self._take_deferred()
+            with structlog.contextvars.bound_contextvars(request_id=self.request_id):
+                return self._act_in_order(actions)
         finally:
             self._inline = False
+
+    def _act_in_order(self, actions: list[f.Action]) -> list[f.Action]:
+        while True:
+            for i, a in enumerate(actions):
+                try:
+                    done = self._act_now(a)
+                except Exception as exc:  # as on the actor: this request fails, the caller goes on
+                    self._on_step_error(exc)
+                    done = True
+                if not done:
+                    return actions[i:] + self._take_deferred()
+            if not self._deferred:
+                return []
+            actions = self._take_deferred()
 
     def _take_deferred(self) -> list[f.Action]:
         out, self._deferred = self._deferred, []
