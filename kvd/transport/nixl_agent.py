@@ -678,27 +678,45 @@ class NixlAgent:
         self._check_open()
         if local.agent or not remote.agent:
             raise BadRequest("write_prepped takes a prep_local list then a prep_remote list")
-        li = np.asarray(local_indices, dtype=np.int32)
-        ri = np.asarray(remote_indices, dtype=np.int32)
-        if li.shape != ri.shape or li.ndim != 1 or li.size == 0:
-            raise BadRequest(
-                f"index lists must be 1-D, non-empty and of equal length ({li.shape} vs {ri.shape})"
-            )
-        try:
-            lens = local.lengths[li]
-            if not np.array_equal(lens, remote.lengths[ri]):
+        li: Any
+        ri: Any
+        if (
+            not isinstance(local_indices, np.ndarray)
+            and not isinstance(remote_indices, np.ndarray)
+            and 0 < len(local_indices) == len(remote_indices) <= _SMALL_LIST
+        ):
+            # a few indices (a bounce chunk: one): Python lists, ~8 µs cheaper than numpy here
+            li, ri = [int(i) for i in local_indices], [int(i) for i in remote_indices]
+            count = len(li)
+            nl, nr = len(local), len(remote)
+            if any(not 0 <= i < nl for i in li) or any(not 0 <= i < nr for i in ri):
+                raise BadRequest(f"descriptor index out of range ({nl} local, {nr} remote)")
+            lens = [int(local.lengths[i]) for i in li]
+            if lens != [int(remote.lengths[i]) for i in ri]:
                 raise BadRequest("local and remote descriptors must have equal lengths, pairwise")
-        except IndexError:
-            raise BadRequest(
-                f"descriptor index out of range ({len(local)} local, {len(remote)} remote)"
-            ) from None
-        nbytes = int(lens.sum())
-        op = f"create WRITE of {nbytes} bytes in {li.size} prepared descriptors to agent {remote.agent!r}"
+            nbytes = sum(lens)
+        else:
+            li = np.asarray(local_indices, dtype=np.int32)
+            ri = np.asarray(remote_indices, dtype=np.int32)
+            if li.shape != ri.shape or li.ndim != 1 or li.size == 0:
+                raise BadRequest(
+                    f"index lists must be 1-D, non-empty and of equal length ({li.shape} vs {ri.shape})"
+                )
+            try:
+                lens_np = local.lengths[li]
+                if not np.array_equal(lens_np, remote.lengths[ri]):
+                    raise BadRequest("local and remote descriptors must have equal lengths, pairwise")
+            except IndexError:
+                raise BadRequest(
+                    f"descriptor index out of range ({len(local)} local, {len(remote)} remote)"
+                ) from None
+            count, nbytes = int(li.size), int(lens_np.sum())
         try:
             h = self._agent.make_prepped_xfer("WRITE", local._handle, li, remote._handle, ri, notif)
         except Exception as exc:
+            op = f"create WRITE of {nbytes} bytes in {count} prepared descriptors to agent {remote.agent!r}"
             raise _nixl_error(op, exc) from exc
-        handle = XferHandle(remote.agent, nbytes, int(li.size), bytes(notif), h)
+        handle = XferHandle(remote.agent, nbytes, count, bytes(notif), h)
         if post:
             self.post(handle)
         return handle
