@@ -5,37 +5,25 @@ NIXL error mid-stream, a cancel mid-stream, notifications a receiver must refuse
 
 from __future__ import annotations
 
-import math
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
-from functools import partial
+from collections.abc import Awaitable, Callable
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 import trio
-from structlog.testing import capture_logs
 
-from kvd.config import PoolConfig
-from kvd.pool import Pool
-from kvd.regroup.plan import Plan, plan
 from kvd.transfer.paths import bounce
-from kvd.transfer.paths.base import Job
-from kvd.transport import NixlAgent, ensure_loopback_ucx, poll_notifications
-from kvd.transport.setup import StagingRegion, _staging
+from kvd.transport.setup import _staging
 from kvd.transport.slots import SlotPool
 from protocol import transfer as x
 from protocol.errors import NixlError, TransferCancelled, TransferError
 from protocol.layout import KVLayout
+from tests.bounce_harness import OWNER, RID, Counts, bounce_link, first_leaf, make_pools, plan_of, run_request
 
 MiB = 1 << 20
 GEO = {"num_layers": 4, "num_kv_heads": 8, "head_dim": 64, "tokens_per_block": 16, "dtype": "bfloat16"}
 CTX = KVLayout(**GEO)  # type: ignore[arg-type]
 GEN = KVLayout(**{**GEO, "tp_size": 2})  # type: ignore[arg-type]
-RID = "r-bp"
-OWNER = "peer/r-bp"
 
 
 def L(**kw: Any) -> KVLayout:
@@ -45,36 +33,22 @@ def L(**kw: Any) -> KVLayout:
 # -- chunk sizing -----------------------------------------------------------------------------------
 
 
-def _plan(ctx: KVLayout, gen: KVLayout, blocks: int) -> Plan:
-    ids = list(range(blocks))
-    gen_blocks = blocks * ctx.tokens_per_block // gen.tokens_per_block
-    return plan(KVLayout(**{**_fields(ctx), "num_blocks": blocks}),
-                KVLayout(**{**_fields(gen), "num_blocks": gen_blocks}),
-                {r: ids for r in range(ctx.world_size)}, {r: list(range(gen_blocks)) for r in range(gen.world_size)})
-
-
-def _fields(layout: KVLayout) -> dict[str, Any]:
-    import msgspec
-
-    return msgspec.structs.asdict(layout)
-
-
 def test_chunk_size_of_a_big_request_fills_slots_evenly() -> None:
     # 64 layers: a block is 2 MiB, 512 KiB per gen rank of 4; 288 blocks = 576 MiB, 144 MiB per pair
-    p = _plan(L(num_layers=64), L(num_layers=64, tp_size=4), 288)
+    p = plan_of(L(num_layers=64), L(num_layers=64, tp_size=4), 288)
     c = bounce.chunk_size(p, 64 * MiB)
     assert c == 48 * MiB  # 144 MiB through 64 MiB slots: 3 chunks a pair, no short tail
     chunks = bounce.chunks(p, c)
     assert len(chunks) == 12 and {ch.nbytes for ch in chunks} == {48 * MiB}
     # two pairs of 96 MiB: the pipeline wants 4 chunks a pair, smaller than the slots allow
-    assert bounce.chunk_size(_plan(L(num_layers=64), L(num_layers=64, tp_size=2), 96), 64 * MiB) == 24 * MiB
+    assert bounce.chunk_size(plan_of(L(num_layers=64), L(num_layers=64, tp_size=2), 96), 64 * MiB) == 24 * MiB
 
 
 def test_chunk_size_keeps_a_pipeline_and_a_floor() -> None:
-    p = _plan(L(num_layers=64), L(num_layers=64, tp_size=2), 16)  # 16 MiB per pair
+    p = plan_of(L(num_layers=64), L(num_layers=64, tp_size=2), 16)  # 16 MiB per pair
     c = bounce.chunk_size(p, 64 * MiB)
     assert c == 4 * MiB and len(bounce.chunks(p, c)) == bounce.PIPELINE_CHUNKS  # 4 chunks a pair, 8 in all
-    small = _plan(CTX, GEN, 2)  # 128 KiB per pair: one chunk per pair, never below the floor
+    small = plan_of(CTX, GEN, 2)  # 128 KiB per pair: one chunk per pair, never below the floor
     assert bounce.chunk_size(small, 64 * MiB) == bounce.MIN_CHUNK
     assert [ch.nbytes for ch in bounce.chunks(small, bounce.MIN_CHUNK)] == [128 << 10] * 2
     assert bounce.chunk_size(small, 96 << 10) == 96 << 10  # never above a slot
@@ -99,184 +73,6 @@ def test_credit_notification_wire_format() -> None:
     assert x.decode_notif(b"rawbench") is None
 
 
-# -- a bounce link in one process ---------------------------------------------------------------------
-
-
-def _pools(prefix: str, layout: KVLayout, num_blocks: int) -> dict[int, Pool]:
-    out = {}
-    for r in range(layout.world_size):
-        cfg = PoolConfig(name=f"{prefix}{r}", memory="host", rank=r, num_blocks=num_blocks, num_layers=layout.num_layers,
-                         num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim,
-                         tokens_per_block=layout.tokens_per_block, dtype=layout.dtype, tp_size=layout.tp_size)
-        with capture_logs():
-            out[r] = Pool.create(cfg, {})
-    return out
-
-
-@dataclass
-class Counts:
-    """A side's progress reports; ``stop`` refuses new writes as an aborting transfer does."""
-
-    n_posted: int = 0
-    n_ended: int = 0
-    nbytes: int = 0
-    stop: bool = False
-    on_moved: Callable[[int], None] | None = None
-    ended_event: trio.Event = field(default_factory=trio.Event)
-    want_ended: int = -1
-
-    def posted(self, n: int = 1) -> None:
-        if self.stop:
-            raise TransferCancelled("aborting: no new write")
-        self.n_posted += n
-
-    def ended(self, n: int = 1) -> None:
-        self.n_ended += n
-        if self.n_ended == self.want_ended:
-            self.ended_event.set()
-
-    def moved(self, nbytes: int, chunks: int = 1) -> None:
-        self.nbytes += nbytes
-        if self.on_moved is not None:
-            self.on_moved(self.nbytes)
-
-    def mark(self, stage: str) -> None:
-        pass
-
-
-@dataclass
-class BounceLink:
-    """ctx and gen agents, pools and staging, linked both ways; pollers drive both agents."""
-
-    ctx: NixlAgent
-    gen: NixlAgent
-    gen_name: str  # gen's agent as ctx knows it
-    ctx_name: str
-    src: dict[int, Pool]
-    dst: dict[int, Pool]
-    send_region: StagingRegion
-    recv_region: StagingRegion
-    send_slots: SlotPool
-    recv_slots: SlotPool
-    credits_tx: trio.MemorySendChannel[int]
-    credits_rx: trio.MemoryReceiveChannel[int]
-    notifs_tx: trio.MemorySendChannel[x.Notif]
-    notifs_rx: trio.MemoryReceiveChannel[x.Notif]
-    gen_counts: Counts = field(default_factory=Counts)
-    credits_by_notif: int = 0
-
-    def on_ctx_notif(self, remote: str, raw: bytes) -> None:
-        n = x.decode_notif(raw)
-        if isinstance(n, x.Credit):
-            self.credits_by_notif += len(n.slots)
-            for s in n.slots:
-                self.credits_tx.send_nowait(s)
-
-    def on_gen_notif(self, remote: str, raw: bytes) -> None:
-        n = x.decode_notif(raw)
-        if isinstance(n, x.Notif):
-            self.notifs_tx.send_nowait(n)
-
-    def fill(self, seed: int) -> tuple[Plan, dict[int, torch.Tensor]]:
-        """Random source blocks, sentinel destinations; the plan and the expected gen pools."""
-        g = torch.Generator().manual_seed(seed)
-        for pool in self.src.values():
-            t = pool.tensor_u8()
-            t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, generator=g))
-        for pool in self.dst.values():
-            pool.tensor_u8().fill_(0xEE)
-        n_ctx = next(iter(self.src.values())).layout.num_blocks
-        n_gen = next(iter(self.dst.values())).layout.num_blocks
-        ctx_layout = next(iter(self.src.values())).layout
-        gen_layout = next(iter(self.dst.values())).layout
-        rng = np.random.default_rng(seed)
-        cb = {r: rng.permutation(n_ctx)[: n_ctx // 2].tolist() for r in self.src}
-        gb = {r: rng.permutation(n_gen)[: n_gen // 2].tolist() for r in self.dst}
-        p = plan(ctx_layout, gen_layout, cb, gb)
-        expected = {r: pool.tensor_u8().clone() for r, pool in self.dst.items()}
-        p.apply({r: pool.tensor_u8().clone() for r, pool in self.src.items()}, expected)
-        return p, expected
-
-    def job(self, p: Plan, counts: Counts, grants: Callable[[], Awaitable[int]]) -> Job:
-        return Job(request_id=RID, owner=OWNER, plan=p, src=self.src, progress=counts, nixl=self.ctx,
-                   remote_agent=self.gen_name, grants=grants, staging=self.send_region, slot_pool=self.send_slots,
-                   remote_region=x.RemoteRegion(addr=self.recv_region.addr, nbytes=self.recv_region.nbytes, device=-1),
-                   remote_slot_bytes=self.recv_region.slot_bytes)
-
-    def receiver(self, p: Plan, chunks: list[Any], credits: bounce.Credits, granted: int) -> bounce.Receiver:
-        return bounce.Receiver(RID, OWNER, p, chunks, self.dst, self.recv_region, self.recv_slots, self.gen_counts,
-                               credits, granted=granted)
-
-
-@asynccontextmanager
-async def bounce_link(ctx_layout: KVLayout, gen_layout: KVLayout, *, blocks: int, slot_bytes: int,
-                      slots: int) -> AsyncIterator[BounceLink]:
-    ensure_loopback_ucx()
-    src, dst = _pools("ctx", ctx_layout, blocks), _pools("gen", gen_layout, blocks)
-    ctx, gen = NixlAgent("bp-ctx"), NixlAgent("bp-gen")
-    try:
-        send_region, recv_region = _staging(slot_bytes, slots, -1), _staging(slot_bytes, slots, -1)
-        ctx.register([send_region.region()] + [_region(p) for p in src.values()])
-        gen.register([recv_region.region()] + [_region(p) for p in dst.values()])
-        gen_name, ctx_name = ctx.add_remote(gen.metadata()), gen.add_remote(ctx.metadata())
-        credits_tx, credits_rx = trio.open_memory_channel[int](math.inf)
-        notifs_tx, notifs_rx = trio.open_memory_channel[x.Notif](math.inf)
-        link = BounceLink(ctx, gen, gen_name, ctx_name, src, dst, send_region, recv_region, SlotPool(slots),
-                          SlotPool(slots), credits_tx, credits_rx, notifs_tx, notifs_rx)
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(partial(poll_notifications, ctx, link.on_ctx_notif, hot=lambda: True))
-            nursery.start_soon(partial(poll_notifications, gen, link.on_gen_notif, hot=lambda: True))
-            yield link
-            nursery.cancel_scope.cancel()
-    finally:
-        ctx.close()
-        gen.close()
-        for pool in [*src.values(), *dst.values()]:
-            pool.close()
-
-
-def _region(pool: Pool) -> Any:
-    from kvd.transport import Region
-
-    return Region(pool.ptr, pool.nbytes, -1, "DRAM")
-
-
-async def _run(link: BounceLink, p: Plan, *, chunk_bytes: int, by_notif: bool,
-               grants: Callable[[Callable[[], Awaitable[int]]], Callable[[], Awaitable[int]]] | None = None,
-               ctx_counts: Counts | None = None) -> tuple[bounce.Credits, Counts, BaseException | None]:
-    """One request through the link: gen pregrants one slot and runs its receiver; ctx sends.
-    Returns the credits gen handed out, ctx's reports and what ``send`` raised (if anything)."""
-    chunks = bounce.chunks(p, chunk_bytes)
-
-    async def link_grant(msg: x.XferGrant) -> None:  # the peer link, as the transfer delivers XferGrant
-        link.credits_tx.send_nowait(msg.slot)
-
-    credits = bounce.Credits(RID, link.gen, link.ctx_name, link_grant, by_notif=by_notif)
-    counts = ctx_counts or Counts()
-    first = link.recv_slots.try_acquire(OWNER)
-    assert first is not None
-    link.gen_counts.want_ended = len(chunks)
-    error: BaseException | None = None
-    next_credit = grants(link.credits_rx.receive) if grants is not None else link.credits_rx.receive
-    with trio.fail_after(60):
-        async with trio.open_nursery() as nursery:
-            scope = trio.CancelScope()
-
-            async def receive() -> None:
-                with scope:
-                    await link.receiver(p, chunks, credits, granted=1).run(link.notifs_rx)
-
-            nursery.start_soon(receive)
-            try:
-                await bounce.send(link.job(p, counts, next_credit), chunks, chunk_bytes, first)
-            except (Exception, trio.Cancelled) as exc:  # inspected by the test (a cancel goes on below)
-                error = exc
-            if error is None:
-                await link.gen_counts.ended_event.wait()
-            scope.cancel()
-    return credits, counts, error
-
-
 @pytest.mark.parametrize("by_notif", [True, False], ids=["credit_notif", "xfer_grant"])
 async def test_bounce_streams_byte_exact_with_either_credit(by_notif: bool) -> None:
     # per pair: 32 blocks x (4 layers x 2 x 4 heads x 16 x 64 x 2 B) = 2 MiB through 4 slots of 256 KiB
@@ -285,10 +81,9 @@ async def test_bounce_streams_byte_exact_with_either_credit(by_notif: bool) -> N
         chunk = bounce.chunk_size(p, link.recv_region.slot_bytes)
         chunks = bounce.chunks(p, chunk)
         assert chunk == 256 << 10 and len(chunks) == 16  # every slot reused 4 times
-        credits, counts, error = await _run(link, p, chunk_bytes=chunk, by_notif=by_notif)
+        credits, counts, error = await run_request(link, p, chunk_bytes=chunk, by_notif=by_notif)
         assert error is None
-        for r, pool in link.dst.items():
-            assert torch.equal(pool.tensor_u8(), expected[r]), f"gen rank {r} differs"
+        link.check(expected)
         assert counts.n_posted == counts.n_ended == len(chunks) and counts.nbytes == p.total_bytes()
         assert link.gen_counts.n_ended == len(chunks) and link.gen_counts.nbytes == p.total_bytes()
         assert link.send_slots.in_use == 0 and link.recv_slots.in_use == 0
@@ -341,9 +136,9 @@ async def test_nixl_error_mid_stream_releases_every_slot_and_fails() -> None:
             return next_credit
 
         counts = Counts(on_moved=lambda _n: landed.set())
-        _, counts, error = await _run(link, p, chunk_bytes=256 << 10, by_notif=True, grants=drop_after_two,
+        _, counts, error = await run_request(link, p, chunk_bytes=256 << 10, by_notif=True, grants=drop_after_two,
                                       ctx_counts=counts)
-        assert isinstance(_first(error), NixlError), error
+        assert isinstance(first_leaf(error), NixlError), error
         assert link.send_slots.in_use == 0  # every staging slot back, on every path
         assert counts.n_posted == counts.n_ended  # every write announced reached a final state
         assert 0 < counts.nbytes < p.total_bytes()
@@ -362,11 +157,11 @@ async def test_cancel_mid_stream_waits_for_launched_work_and_releases_slots() ->
 
         async def sender() -> None:
             with cancel:
-                outcome.append((await _run(link, p, chunk_bytes=8 * MiB, by_notif=True, ctx_counts=counts))[2])
+                outcome.append((await run_request(link, p, chunk_bytes=8 * MiB, by_notif=True, ctx_counts=counts))[2])
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(sender)
-        assert cancel.cancelled_caught or isinstance(_first(outcome[0] if outcome else None), trio.Cancelled)
+        assert cancel.cancelled_caught or isinstance(first_leaf(outcome[0] if outcome else None), trio.Cancelled)
         assert link.send_slots.in_use == 0 and counts.n_posted == counts.n_ended >= 1
 
 
@@ -374,17 +169,10 @@ async def test_aborting_transfer_posts_no_write() -> None:
     async with bounce_link(CTX, GEN, blocks=64, slot_bytes=256 << 10, slots=4) as link:
         p, _ = link.fill(seed=4)
         counts = Counts(stop=True)
-        _, counts, error = await _run(link, p, chunk_bytes=256 << 10, by_notif=True, ctx_counts=counts)
-        assert isinstance(_first(error), TransferCancelled)
+        _, counts, error = await run_request(link, p, chunk_bytes=256 << 10, by_notif=True, ctx_counts=counts)
+        assert isinstance(first_leaf(error), TransferCancelled)
         assert counts.n_posted == counts.n_ended == 0 and link.send_slots.in_use == 0
         assert link.gen_counts.n_ended == 0  # nothing landed, nothing scattered
-
-
-def _first(exc: BaseException | None) -> BaseException | None:
-    """The exception itself, or the first leaf of a nursery's group."""
-    while isinstance(exc, BaseExceptionGroup):
-        exc = exc.exceptions[0]
-    return exc
 
 
 # -- the receiver refuses what it did not grant --------------------------------------------------
@@ -392,10 +180,10 @@ def _first(exc: BaseException | None) -> BaseException | None:
 
 @pytest.mark.parametrize("notif", [x.Notif(RID, 99, 0), x.Notif(RID, 0, 7)], ids=["seq_beyond", "slot_not_granted"])
 async def test_receiver_refuses_a_chunk_it_did_not_grant(notif: x.Notif) -> None:
-    dst = _pools("gen", GEN, 8)
+    dst = make_pools("gen", GEN, 8)
     try:
         recv_region, slots = _staging(256 << 10, 4, -1), SlotPool(4)
-        p = _plan(CTX, GEN, 8)
+        p = plan_of(CTX, GEN, 8)
         chunks = bounce.chunks(p, 256 << 10)
         granted: list[int] = []
 
@@ -410,7 +198,7 @@ async def test_receiver_refuses_a_chunk_it_did_not_grant(notif: x.Notif) -> None
         before = dst[0].tensor_u8().clone()
         with pytest.raises(BaseExceptionGroup) as info, trio.fail_after(10):
             await receiver.run(rx)
-        assert isinstance(_first(info.value), TransferError)
+        assert isinstance(first_leaf(info.value), TransferError)
         assert counts.n_ended == 1 and torch.equal(dst[0].tensor_u8(), before)
         assert notif.slot in granted or notif.slot not in range(4)
     finally:

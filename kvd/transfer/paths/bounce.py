@@ -49,7 +49,7 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("kvd.transfer")
 
-__all__ = ["Credits", "Receiver", "chunk_size", "chunks", "send", "write_bytes"]
+__all__ = ["Credits", "Receiver", "await_completion", "chunk_size", "chunks", "send", "write_bytes"]
 
 #: Chunk sizes are multiples of this (16-byte kernel accesses, whole host-twin rows).
 CHUNK_GRANULE = 64 << 10
@@ -124,13 +124,14 @@ async def _kernels_ready(devices: set[int]) -> None:
 def _settled(c: regroup_apply.Completion) -> bool:
     try:
         return c.done()
-    except Exception:  # the work failed: it is over (the error surfaces in _finish)
+    except Exception:  # the work failed: it is over (the error surfaces in await_completion)
         return True
 
 
-async def _finish(c: regroup_apply.Completion) -> None:
-    """Return once ``c``'s work finished; raise its error (a failed launch). Cancelled, wait
-    for it anyway (shielded): the slot it writes must not be reused before it is done."""
+async def await_completion(c: regroup_apply.Completion) -> None:
+    """Return once ``c``'s work finished, polling from the event loop; raise its error (a
+    failed launch). Cancelled, wait for it anyway (shielded): the slot or blocks it writes must
+    not be reused, nor reported, before it is done."""
     try:
         # trio's timers wake at millisecond resolution: sleep through most of the expected
         # time, then poll the event at every checkpoint
@@ -181,7 +182,7 @@ async def send(job: Job, chs: list[ChunkRange], chunk_bytes: int, first_slot: in
     async def write(seq: int, ch: ChunkRange, local_slot: int, remote_slot: int,
                     gathered: regroup_apply.Completion) -> None:
         try:
-            await _finish(gathered)
+            await await_completion(gathered)
             n = write_bytes(ch.nbytes, cap)
             local = nixl.slot_descs("", staging.addr, staging.slot_bytes, staging.slot_count, n,
                                     mem=local_mem, device=staging.device)
@@ -327,7 +328,7 @@ class Receiver:
 
     async def _scattered(self, ch: ChunkRange, slot: int, c: regroup_apply.Completion) -> None:
         try:
-            await _finish(c)
+            await await_completion(c)
             self._busy.discard(slot)
             self.slots.release(self.owner, slot)  # back to the grant loop: ctx's next credit
             self.progress.moved(ch.nbytes)
