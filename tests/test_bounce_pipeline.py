@@ -84,7 +84,7 @@ async def test_bounce_streams_byte_exact_with_either_credit(by_notif: bool) -> N
         credits, counts, error = await run_request(link, p, chunk_bytes=chunk, by_notif=by_notif)
         assert error is None
         link.check(expected)
-        assert counts.n_posted == counts.n_ended == len(chunks) and counts.nbytes == p.total_bytes()
+        assert counts.n_posted == counts.n_ended == 2 * len(chunks) and counts.nbytes == p.total_bytes()
         assert link.gen_counts.n_ended == len(chunks) and link.gen_counts.nbytes == p.total_bytes()
         assert link.send_slots.in_use == 0 and link.recv_slots.in_use == 0
         granted = len(chunks) - 1  # one came up front
@@ -171,7 +171,7 @@ async def test_aborting_transfer_posts_no_write() -> None:
         counts = Counts(stop=True)
         _, counts, error = await run_request(link, p, chunk_bytes=256 << 10, by_notif=True, ctx_counts=counts)
         assert isinstance(first_leaf(error), TransferCancelled)
-        assert counts.n_posted == counts.n_ended == 0 and link.send_slots.in_use == 0
+        assert counts.n_posted == counts.n_ended == 0 and link.send_slots.in_use == 0  # not even a gather
         assert link.gen_counts.n_ended == 0  # nothing landed, nothing scattered
 
 

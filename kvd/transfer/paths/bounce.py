@@ -18,9 +18,9 @@ destination GPU, completion polled the same way; the slot then goes back to ctx 
 (:class:`Credits`: a NIXL notification when ctx asked for them, else an ``XferGrant`` message).
 
 Every write is announced (``posted``) right before it is posted and ends (``ended``) once
-NIXL confirmed or aborted it; a gather or scatter already launched is waited for even when
-the transfer is cancelled (a launched kernel cannot be stopped: a slot goes back, and gen
-reports, only once the kernel writing it is done).
+NIXL confirmed or aborted it; gathers and scatters are counted the same way, and one already
+launched is waited for even when the transfer is cancelled (a launched kernel cannot be
+stopped: a slot goes back, and a side reports, only once the kernel writing it is done).
 """
 
 from __future__ import annotations
@@ -182,7 +182,10 @@ async def send(job: Job, chs: list[ChunkRange], chunk_bytes: int, first_slot: in
     async def write(seq: int, ch: ChunkRange, local_slot: int, remote_slot: int,
                     gathered: regroup_apply.Completion) -> None:
         try:
-            await await_completion(gathered)
+            try:
+                await await_completion(gathered)
+            finally:
+                job.progress.ended()  # the gather
             n = write_bytes(ch.nbytes, cap)
             local = nixl.slot_descs("", staging.addr, staging.slot_bytes, staging.slot_count, n,
                                     mem=local_mem, device=staging.device)
@@ -210,8 +213,15 @@ async def send(job: Job, chs: list[ChunkRange], chunk_bytes: int, first_slot: in
             local_slot = await slots.acquire(owner)
             pool = job.src[ch.src]
             try:
-                gathered = await _stage(regroup_apply.gather_chunk, p, ch, pool.tensor_u8(),
-                                        staging.slot_tensor(local_slot), device=pool.device if gpu else None)
+                # a gather is counted as a write: the transfer reports (and its staging slots go
+                # to other transfers) only once every launched gather has ended
+                job.progress.posted()
+                try:
+                    gathered = await _stage(regroup_apply.gather_chunk, p, ch, pool.tensor_u8(),
+                                            staging.slot_tensor(local_slot), device=pool.device if gpu else None)
+                except BaseException:
+                    job.progress.ended()
+                    raise
             except BaseException:
                 slots.release(owner, local_slot)
                 raise
