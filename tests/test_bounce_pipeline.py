@@ -52,6 +52,7 @@ def test_chunk_size_keeps_a_pipeline_and_a_floor() -> None:
     assert bounce.chunk_size(small, 64 * MiB) == bounce.MIN_CHUNK
     assert [ch.nbytes for ch in bounce.chunks(small, bounce.MIN_CHUNK)] == [128 << 10] * 2
     assert bounce.chunk_size(small, 96 << 10) == 96 << 10  # never above a slot
+    assert bounce.chunk_size(p, 64 * MiB, pipeline=1) == 16 * MiB  # host memory: one chunk per pair
     with pytest.raises(ValueError):
         bounce.chunk_size(small, 0)
 

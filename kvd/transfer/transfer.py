@@ -593,7 +593,9 @@ class Transfer:
             log.warning("transfer.bounce_fallback", peer=self.peer, reason=reason, fragments=p.num_fragments())
             self.feed(f.PathChosen(f.Role.CTX, f.Path.FRAGMENT))
             return await fragment.send(job)
-        self.bounce_chunk = bounce.chunk_size(p, min(staging.send.slot_bytes, link.slot_bytes))
+        gpu = staging.send.device >= 0  # a pipeline of chunks pays off on GPUs, not on a few cores
+        self.bounce_chunk = bounce.chunk_size(p, min(staging.send.slot_bytes, link.slot_bytes),
+                                              bounce.PIPELINE_CHUNKS if gpu else 1)
         chunks = bounce.chunks(p, self.bounce_chunk)
         self.feed(f.PathChosen(f.Role.CTX, f.Path.BOUNCE))  # its path message names bounce_chunk
         self.sides[f.Role.CTX].chunks_total = len(chunks)

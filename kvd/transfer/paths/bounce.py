@@ -56,26 +56,29 @@ CHUNK_GRANULE = 64 << 10
 #: Smaller chunks cost more per byte (a launch, a write, a notification, a credit each) than
 #: their overlap saves: a request below this per pair goes as one chunk per pair.
 MIN_CHUNK = 1 << 20
-#: Chunks a request is cut into at least (over all pairs) when large enough: the first gather
-#: and the last scatter are then an eighth of the request, the rest overlaps the writes.
+#: Chunks a request on GPUs is cut into at least (over all pairs) when large enough: the first
+#: gather and the last scatter are then an eighth of the request, the rest overlaps the writes.
+#: On host memory every chunk costs worker-thread hops on a few cores that overlap little:
+#: there one chunk per pair and slot (measured on 2 cores: 36 MiB in 8 chunks took 1.6x as long
+#: as in 4).
 PIPELINE_CHUNKS = 8
 #: A gather or scatter kernel's speed (local HBM on one side, ~1.5 TB/s measured on H200),
 #: used to time the first poll of its completion event.
 STAGE_BPS = 1.5e12
 
 
-def chunk_size(p: Plan, slot_bytes: int) -> int:
+def chunk_size(p: Plan, slot_bytes: int, pipeline: int = PIPELINE_CHUNKS) -> int:
     """The chunk size for request ``p`` through slots of ``slot_bytes`` (the smaller of the
     sender's staging slot and the receiver's receive slot): the largest pair's stream cut into
-    at least ``PIPELINE_CHUNKS`` chunks over all pairs, never below ``MIN_CHUNK``, rounded up
-    to ``CHUNK_GRANULE`` and at most one slot. Fewer, larger chunks for big requests."""
+    at least ``pipeline`` chunks over all pairs, never below ``MIN_CHUNK``, rounded up to
+    ``CHUNK_GRANULE`` and at most one slot. Fewer, larger chunks for big requests."""
     if slot_bytes < 1:
         raise ValueError(f"slot_bytes must be positive, got {slot_bytes}")
     sizes = [n for n in (p.total_bytes(s, d) for s, d in p.pairs()) if n > 0]
     if not sizes:
         return min(MIN_CHUNK, slot_bytes)
     biggest = max(sizes)
-    per_pair = max(-(-biggest // slot_bytes), -(-PIPELINE_CHUNKS // len(sizes)))
+    per_pair = max(-(-biggest // slot_bytes), -(-max(1, pipeline) // len(sizes)))
     c = -(-biggest // per_pair)
     c = max(MIN_CHUNK, -(-c // CHUNK_GRANULE) * CHUNK_GRANULE)
     return min(c, slot_bytes)
