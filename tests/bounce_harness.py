@@ -1,5 +1,5 @@
 """A bounce link in one process, for tests: ctx and gen NIXL agents (UCX over loopback),
-their pools and staging (host memory, or GPUs), linked both ways, and one request streamed
+their host pools and staging, linked both ways, and one request streamed
 through :mod:`kvd.transfer.paths.bounce` as two daemons would (minus the peer link: an
 ``XferGrant`` goes straight into ctx's credit channel)."""
 
@@ -47,11 +47,11 @@ def _fields(layout: KVLayout) -> dict[str, Any]:
     return msgspec.structs.asdict(layout)
 
 
-def make_pools(prefix: str, layout: KVLayout, num_blocks: int, device: int = -1) -> dict[int, Pool]:
-    """One pool per rank of ``layout``: host memory, or device memory on ``device``."""
+def make_pools(prefix: str, layout: KVLayout, num_blocks: int) -> dict[int, Pool]:
+    """One host pool per rank of ``layout``."""
     out = {}
     for r in range(layout.world_size):
-        cfg = PoolConfig(name=f"{prefix}{r}", memory="host" if device < 0 else "device", device=device, rank=r,
+        cfg = PoolConfig(name=f"{prefix}{r}", memory="host", rank=r,
                          num_blocks=num_blocks, num_layers=layout.num_layers,
                          num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim,
                          tokens_per_block=layout.tokens_per_block, dtype=layout.dtype, tp_size=layout.tp_size)
@@ -132,8 +132,6 @@ class BounceLink:
             t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, generator=g))
         for pool in self.dst.values():
             pool.tensor_u8().fill_(0xEE)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()  # the bounce streams read what the default stream wrote
         n_ctx = next(iter(self.src.values())).layout.num_blocks
         n_gen = next(iter(self.dst.values())).layout.num_blocks
         ctx_layout = next(iter(self.src.values())).layout
@@ -142,14 +140,14 @@ class BounceLink:
         cb = {r: rng.permutation(n_ctx)[: n_ctx // 2].tolist() for r in self.src}
         gb = {r: rng.permutation(n_gen)[: n_gen // 2].tolist() for r in self.dst}
         p = plan(ctx_layout, gen_layout, cb, gb)
-        expected = {r: pool.tensor_u8().cpu().clone() for r, pool in self.dst.items()}
-        p.apply({r: pool.tensor_u8().cpu().clone() for r, pool in self.src.items()}, expected)
+        expected = {r: pool.tensor_u8().clone() for r, pool in self.dst.items()}
+        p.apply({r: pool.tensor_u8().clone() for r, pool in self.src.items()}, expected)
         return p, expected
 
     def check(self, expected: dict[int, torch.Tensor]) -> None:
         """Every gen pool equals the reference: the request's bytes, and the sentinel elsewhere."""
         for r, pool in self.dst.items():
-            got = pool.tensor_u8().cpu()
+            got = pool.tensor_u8()
             assert torch.equal(got, expected[r]), f"gen rank {r}: {(got != expected[r]).sum().item()} bytes differ"
 
     def job(self, p: Plan, counts: Counts, grants: Callable[[], Awaitable[int]]) -> Job:
@@ -166,14 +164,13 @@ class BounceLink:
 
 @asynccontextmanager
 async def bounce_link(ctx_layout: KVLayout, gen_layout: KVLayout, *, blocks: int, slot_bytes: int,
-                      slots: int, ctx_device: int = -1, gen_device: int = -1) -> AsyncIterator[BounceLink]:
-    """Pools and staging on host memory, or on the given GPUs (staging with the pools, as a
-    daemon places it)."""
+                      slots: int) -> AsyncIterator[BounceLink]:
+    """Pools of ``blocks`` blocks per rank, ``slots`` staging slots of ``slot_bytes`` per side."""
     ensure_loopback_ucx()
-    src, dst = make_pools("ctx", ctx_layout, blocks, ctx_device), make_pools("gen", gen_layout, blocks, gen_device)
+    src, dst = make_pools("ctx", ctx_layout, blocks), make_pools("gen", gen_layout, blocks)
     ctx, gen = NixlAgent("bp-ctx"), NixlAgent("bp-gen")
     try:
-        send_region, recv_region = _staging(slot_bytes, slots, ctx_device), _staging(slot_bytes, slots, gen_device)
+        send_region, recv_region = _staging(slot_bytes, slots, -1), _staging(slot_bytes, slots, -1)
         ctx.register([send_region.region()] + [pool_region(p) for p in src.values()])
         gen.register([recv_region.region()] + [pool_region(p) for p in dst.values()])
         gen_name, ctx_name = ctx.add_remote(gen.metadata()), gen.add_remote(ctx.metadata())
