@@ -26,7 +26,7 @@ def _serve(args: argparse.Namespace) -> int:
     except KvdError as exc:
         _configure_logging_from_env()
         return _report(config_error(args.config, exc), stage="startup")
-    configure_logging(config.log_format, config.log_level)
+    configure_logging(config.log_format, config.log_level, cache=True)
     ready = False
 
     async def run() -> None:
@@ -107,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     benches = {
         "ipc": "executor <-> daemon round trips over the Unix socket",
         "regroup": "the regroup copies (gather/scatter, box copies) [--device cuda]",
-        "transfer": "two daemons end to end against raw NIXL [--device cuda] [--json]",
+        "transfer": "two daemons end to end against raw NIXL [--device cuda] [--json]; "
+                    "[--layout --ctx-gpus --gen-gpus --concurrent]: N-GPU layouts, requests in flight together",
     }
     bench_help = "\n".join(f"  {name:<10}{text}" for name, text in benches.items())
     p_bench = sub.add_parser(
