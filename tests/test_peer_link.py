@@ -619,3 +619,22 @@ async def test_a_failed_write_closes_the_link_and_says_why() -> None:
     assert not ca.send_nowait(Ping(payload=b"late"))
     with pytest.raises(ConnectionClosed):
         await ca.receive()
+
+
+async def test_a_frame_queued_while_a_send_waits_goes_after_it() -> None:
+    """send() called first, send_nowait() while it waits for a write under way: the frames
+    leave in call order (the transfer protocol relies on it, e.g. an offer before its path)."""
+    ca, cb = await _socket_pair()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(ca.run_writer)
+        await trio.testing.wait_all_tasks_blocked()
+        await ca._send_lock.acquire()  # a write under way
+        nursery.start_soon(ca.send, Ping(payload=b"first"))
+        await trio.testing.wait_all_tasks_blocked()  # send() waits for the lock
+        assert ca.send_nowait(Ping(payload=b"second"))
+        ca._send_lock.release()
+        got = [(await cb.receive()) for _ in range(2)]
+        nursery.cancel_scope.cancel()
+    assert [m.payload for m in got] == [b"first", b"second"]  # type: ignore[attr-defined]
+    await ca.aclose()
+    await cb.aclose()

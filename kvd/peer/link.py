@@ -159,10 +159,10 @@ class PeerConnection:
         data = encode_peer(msg, self._max_frame_size)
         if self._closed_by_us:
             raise ConnectionClosed(f"link to {self.describe()} was closed by us", by_peer=False)
+        if self._outbox:  # what was queued before this call goes first (taken now: what is
+            data = b"".join([*self._outbox, data])  # queued while we wait for the lock is later)
+            self._outbox.clear()
         async with self._send_lock:
-            if self._outbox:  # what was queued earlier goes first
-                data = b"".join([*self._outbox, data])
-                self._outbox.clear()
             try:
                 await self.stream.send_all(data)
             except trio.BrokenResourceError as exc:

@@ -185,6 +185,7 @@ class Transfer:
         self._acting = False  # the actor is carrying out actions (it may be awaiting a send)
         self._inline = False  # actions are running in a caller's step
         self._deferred: list[f.Action] = []  # actions of events fed meanwhile: they go after
+        self._backlog: list[x.XferMessage] | None = None  # messages waiting for the link, in order
 
     @property
     def key(self) -> tuple[str, str]:
@@ -270,8 +271,8 @@ class Transfer:
             self._start_receive(a.path)
         elif isinstance(a, f.AbortWrites):
             self._abort(a.role)
-        elif isinstance(a, f.SendFail):
-            return False  # sent awaited: owed to the next link if this one is gone
+        elif isinstance(a, f.SendFail) or self._backlog is not None:
+            return False  # sent awaited (owed to the next link if this one is gone), or in order
         else:
             links = self.env.links()
             link = links.links.get(self.peer) if links is not None else None
@@ -528,14 +529,19 @@ class Transfer:
         return slots
 
     async def _send(self, msg: x.XferMessage) -> None:
-        """Send to the peer; a failure notice that cannot go now is owed to its next link."""
+        """Send to the peer, after any message still waiting for the link; a failure notice
+        that cannot go now is owed to its next link."""
+        if self._backlog is not None:  # earlier messages wait for the link: this one goes after
+            self._backlog.append(msg)
+            return
         links = self.env.links()
         link = links.links.get(self.peer) if links is not None else None
         if link is None and links is not None and not isinstance(msg, x.XferFail):
             # ctx offering before the link is up (the daemons start in any order): wait aside,
             # the actor keeps serving (a cancel must not wait for the link)
             if not self.machine.finished:
-                self._start(partial(self._send_when_linked, links, msg))
+                self._backlog = [msg]
+                self._start(partial(self._send_when_linked, links))
             return
         if link is not None:
             if not self.peer_instance:
@@ -548,14 +554,25 @@ class Transfer:
         if isinstance(msg, x.XferFail) and links is not None:
             links.owe(self.peer, msg)
 
-    async def _send_when_linked(self, links: PeerLinks, msg: x.XferMessage) -> None:
-        with trio.move_on_at(self.machine.deadline), contextlib.suppress(PeerUnavailable):
-            link = await links.wait_for(self.peer)
-            if self.machine.finished or all(self.machine.state(r) in f.FINAL for r in self.machine.here):
-                return  # ended meanwhile: its failure notice (if any) is owed to the link
-            if not self.peer_instance:
-                self.peer_instance = link.agent
-            await link.send(msg)
+    async def _send_when_linked(self, links: PeerLinks) -> None:
+        """Send the backlog, in order, once the link is up; what is left at the deadline (or
+        when the transfer ends first) is dropped, but for failure notices: owed to the link."""
+        try:
+            with trio.move_on_at(self.machine.deadline), contextlib.suppress(PeerUnavailable):
+                link = await links.wait_for(self.peer)
+                if not self.peer_instance:
+                    self.peer_instance = link.agent
+                while self._backlog:
+                    msg = self._backlog[0]
+                    ended = self.machine.finished or all(self.machine.state(r) in f.FINAL for r in self.machine.here)
+                    if not ended or isinstance(msg, x.XferFail):
+                        await link.send(msg)
+                    self._backlog.pop(0)
+        finally:
+            left, self._backlog = self._backlog or [], None
+            for msg in left:
+                if isinstance(msg, x.XferFail):
+                    links.owe(self.peer, msg)
 
     # -- reports ----------------------------------------------------------------------------------
     def _report(self, a: f.Report) -> None:
