@@ -329,6 +329,48 @@ def _templated(
     return Completion("kernel", nbytes, events)
 
 
+def _templated_chunk(
+    plan: Plan, item: tuple[PairGrid, Any, Any, int, int, bool, bool], dev: int, stream: Any, tile_bytes: int
+) -> Completion | None:
+    """A bounce chunk's gather or scatter on the kernel from a cached launch template (every
+    request of one shape cuts the same chunks). None when the general path must decide."""
+    g, src, dst, lo, hi, sp, dp = item
+    if plan.shape_key is None or g.src not in plan.ctx_offsets or g.dst not in plan.gen_offsets:
+        return None
+    key = ("chunk", plan.shape_key, dev, tile_bytes, g.src, g.dst, lo, hi, sp, dp,
+           src.data_ptr(), _nbytes(src), src.device.index, dst.data_ptr(), _nbytes(dst), dst.device.index)
+    parts = _templates.get(key)
+    if parts is None:
+        k = kernel.kernel_for(dev)
+        if k is None or not 0 <= lo < hi <= g.nbytes:
+            return None  # nothing to move, or out of range: the general path answers
+        for t in (src, dst):
+            if t.device.index != dev and not k.enable_peer(int(t.device.index)):
+                return None
+        # a packed side holds [lo, hi) from its first byte; a pool side, the pair's runs
+        if (sp and _nbytes(src) < hi - lo) or (dp and _nbytes(dst) < hi - lo):
+            return None  # the general path raises the clear error
+        never = 1 << 62  # a packed side's table is not read
+        limits = (never if sp else _nbytes(src) - g.extent_without_table("src"),
+                  never if dp else _nbytes(dst) - g.extent_without_table("dst"))
+        align = (stride_alignment(plan, g, "src"), stride_alignment(plan, g, "dst"))
+        tpl = kernel.template([kernel.PairLaunch(g, src.data_ptr(), dst.data_ptr(), lo, hi, sp, dp)], [align],
+                              [limits], tile_bytes)
+        parts = [(dev, tpl, [(g.src, g.dst)])]
+        _templates[key] = parts
+        while len(_templates) > TEMPLATE_CACHE:
+            _templates.popitem(last=False)
+    else:
+        _templates.move_to_end(key)
+    _, tpl, _ = parts[0]
+    k = kernel.kernel_for(dev)
+    if k is None:
+        return None
+    table = tpl.table([(plan.ctx_offsets[g.src], plan.gen_offsets[g.dst])])
+    st = stream if stream is not None else _stream(None, dev)
+    return Completion("kernel", tpl.nbytes, [k.run(table, tpl.npairs, tpl.tiles, st.cuda_stream)])
+
+
 def _build_templates(
     plan: Plan, src_rank: int, src_pool: Any, dst_pools: Mapping[int, Any], tile_bytes: int, launch_on: LaunchOn,
 ) -> list[tuple[int, kernel.LaunchTemplate, list[tuple[int, int]]]] | None:
@@ -388,7 +430,13 @@ def gather_chunk(
     g = _chunk(plan, src_rank, dst_rank, offset, nbytes)
     dev = src_pool.device.index if _is_cuda(src_pool) else None
     eng = _pick(engine, [src_pool, staging], dev)
-    return _run_pairs(eng, [(g, src_pool, staging, offset, offset + nbytes, False, True)], dev, stream, tile_bytes)
+    item = (g, src_pool, staging, offset, offset + nbytes, False, True)
+    if eng == "kernel":
+        assert dev is not None
+        done = _templated_chunk(plan, item, dev, stream, tile_bytes)
+        if done is not None:
+            return done
+    return _run_pairs(eng, [item], dev, stream, tile_bytes)
 
 
 def scatter_chunk(
@@ -409,4 +457,10 @@ def scatter_chunk(
     g = _chunk(plan, src_rank, dst_rank, offset, nbytes)
     dev = dst_pool.device.index if _is_cuda(dst_pool) else None
     eng = _pick(engine, [staging, dst_pool], dev)
-    return _run_pairs(eng, [(g, staging, dst_pool, offset, offset + nbytes, True, False)], dev, stream, tile_bytes)
+    item = (g, staging, dst_pool, offset, offset + nbytes, True, False)
+    if eng == "kernel":
+        assert dev is not None
+        done = _templated_chunk(plan, item, dev, stream, tile_bytes)
+        if done is not None:
+            return done
+    return _run_pairs(eng, [item], dev, stream, tile_bytes)

@@ -195,3 +195,23 @@ def test_launch_template_reused_across_requests_of_one_shape() -> None:
     p = plan(ctx, gen, {0: np.arange(27, 32)}, {r: np.arange(27, 32) for r in range(4)})
     with pytest.raises(ValueError, match="outside"):
         rg.regroup(p, 0, src, small, engine="kernel")
+
+
+def test_chunk_templates_serve_every_request_of_a_shape() -> None:
+    """Bounce chunks of requests with one shape are gathered and scattered from cached launch
+    templates: each request's bytes still arrive exactly, chunk cuts and all."""
+    geo = {"num_layers": 4, "num_kv_heads": 8, "head_dim": 64, "tokens_per_block": 16, "dtype": "bfloat16"}
+    ctx, gen = KVLayout(**geo, num_blocks=24), KVLayout(**geo, tp_size=2, num_blocks=24)
+    src = torch.randint(0, 256, (ctx.pool_bytes(0),), dtype=torch.uint8, device="cuda:0")
+    staging = torch.zeros(1 << 20, dtype=torch.uint8, device="cuda:0")
+    rng = np.random.default_rng(13)
+    for _ in range(3):
+        p = plan(ctx, gen, {0: rng.permutation(24)[:6]}, {r: rng.permutation(24)[:6] for r in range(2)})
+        got = {r: torch.full((gen.pool_bytes(r),), SENTINEL, dtype=torch.uint8, device="cuda:0") for r in range(2)}
+        ref = {r: t.clone() for r, t in got.items()}
+        p.apply({0: src}, ref)
+        for c in chunk_ranges(p, 40_000):  # cuts runs
+            rg.gather_chunk(p, c.src, c.dst, src, staging, offset=c.offset, nbytes=c.nbytes).wait()
+            rg.scatter_chunk(p, c.src, c.dst, staging, got[c.dst], offset=c.offset, nbytes=c.nbytes).wait()
+        for r in got:
+            assert torch.equal(got[r], ref[r]), r
