@@ -88,6 +88,10 @@ async def test_cancelled_wait_for_a_launched_gather_waits_for_the_kernel() -> No
     staging = torch.zeros(nbytes, dtype=torch.uint8, device="cuda:0")
     torch.cuda.synchronize()
     stream = torch.cuda.Stream(0)  # type: ignore[no-untyped-call]
+    with torch.cuda.stream(stream):
+        # the gather queues behind ~1 s of GPU spinning: it is still running when the wait
+        # starts (a 256 MiB gather alone finished in ~0.15 ms, sometimes before the first poll)
+        torch.cuda._sleep(2_000_000_000)  # type: ignore[no-untyped-call]
     c = rg.gather_chunk(p, 0, 0, src, staging, offset=0, nbytes=nbytes, stream=stream)
     with trio.CancelScope() as scope:
         scope.cancel()
