@@ -189,6 +189,7 @@ async def serve(
     notifier = Notifier(env)
     listener = await _open_socket(config)
     pools: dict[str, Pool] = {}
+    ready = stopped = False
     try:
         notifier.status("starting: creating pools")
         pools = await trio.to_thread.run_sync(partial(create_pools, config.pools, env))
@@ -219,6 +220,11 @@ async def serve(
                 )
             )
             pool_kinds = {name: p.kind for name, p in pools.items()}
+            if not pools:
+                # legal (a daemon that only relays, or a configuration still being written) but
+                # almost always a mistake: every Alloc, Expect and Publish will be refused
+                log.warning("daemon.no_pools", reason="the configuration has no [[pools]]: executors can "
+                            "allocate no blocks and register no requests; add a [[pools]] table")
             log.info(
                 "daemon.ready",
                 node=config.node,
@@ -229,14 +235,20 @@ async def serve(
             )
             notifier.ready(f"serving {len(pools)} pool(s) on {config.socket_path}; peer port {engine.peer_port}")
             task_status.started(daemon)
+            ready = True
 
             await daemon.stop_requested.wait()
             notifier.stopping()
             await _drain(daemon, engine, notifier)
             root.cancel_scope.cancel()
+        stopped = True
     finally:
         with trio.CancelScope(shield=True):
             await listener.aclose()
             for pool in pools.values():
                 pool.close()
-            log.info("daemon.stopped")
+            # only a daemon that was ready and stopped cleanly says so: a failed start (or a
+            # failure while running) ends with its daemon.startup_failed (daemon.failed) line,
+            # which the caller logs after this cleanup; "stopped" before it would read as the cause
+            if ready and stopped:
+                log.info("daemon.stopped")
