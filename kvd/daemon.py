@@ -133,6 +133,7 @@ class Daemon:
         self.counters = Counters()
         self.started = time.monotonic()
         self.draining = False
+        self.stop_reason = ""  # why the drain began (the first request_stop's reason)
         self.stop_requested = trio.Event()
         self.engine: Engine | None = None
         self.history = TransferHistory()
@@ -307,6 +308,7 @@ class Daemon:
         """Begin a graceful drain (SIGTERM, SIGINT or a client's Drain)."""
         if not self.draining:
             log.info("daemon.draining", reason=reason, by_session=session.id if session else None)
+            self.stop_reason = reason
         self.draining = True
         self.stop_requested.set()
 

@@ -36,7 +36,7 @@ from kvd.ops.notify import Notifier, run_watchdog
 from kvd.startup import EX_CONFIG, StartupError
 from protocol import messages as m
 from protocol.codec import encode
-from protocol.errors import BadRequest, KvdError, LimitExceeded
+from protocol.errors import BadRequest, DaemonStopping, KvdError, LimitExceeded
 
 if TYPE_CHECKING:
     from kvd.pool import Pool
@@ -102,19 +102,38 @@ async def _open_socket(config: Config) -> UnixListener:
         ) from None
 #: How often the drain refreshes its ``STATUS=`` line (what it still waits for).
 DRAIN_STATUS_S = 1.0
+#: After the drain's deadline: how long the transfers then failed get to confirm that their
+#: writes stopped (the no-write-after-failure rule) before what is left is cancelled.
+DRAIN_ABORT_GRACE_S = 5.0
 #: After the transfers: how long pending Waits may take to deliver their completions.
 DRAIN_REPLY_GRACE_S = 1.0
 DRAIN_REPLY_POLL_S = 0.01
+
+
+def _fail_waiting(daemon: Daemon, engine: Engine) -> None:
+    """Requests whose other side never came cannot complete while we stop: fail them now, so
+    their executors' waits get ``daemon_stopping`` instead of a closed connection later."""
+    exc = DaemonStopping(
+        f"kvd on node {daemon.config.node!r} is stopping ({daemon.stop_reason or 'drain'}) and the request's "
+        "other side never came, so it cannot complete; register it again with a running daemon"
+    )
+    failed = engine.stop_requests(exc, only_waiting=True)
+    if failed:
+        log.info("daemon.drain_unmatched", requests=len(failed), request_ids=failed[:16])
 
 
 async def _drain(daemon: Daemon, engine: Engine, notifier: Notifier) -> None:
     """Let in-flight transfers finish, up to ``drain_timeout_s``; say what we wait for.
 
     New work (Alloc, Expect, Publish) is already refused (``Draining``); sessions stay
-    connected so executors can collect their completions, and ``kvctl`` can watch.
+    connected so executors can collect their completions, and ``kvctl`` can watch. Requests
+    that wait for their other side fail at once (``daemon_stopping``: no executor may register
+    any more); so do, at the deadline, the transfers still running. Every completion is sent
+    before the sessions close.
     """
     timeout = daemon.config.drain_timeout_s
     deadline = trio.current_time() + timeout
+    _fail_waiting(daemon, engine)
     notifier.status(f"draining: {len(engine.inflight())} transfer(s) in flight, new work refused")
     with trio.move_on_at(deadline):
         while inflight := engine.inflight():
@@ -123,12 +142,8 @@ async def _drain(daemon: Daemon, engine: Engine, notifier: Notifier) -> None:
             notifier.status(f"draining: waiting for {len(inflight)} transfer(s) ({shown}), at most {left:.0f} s more")
             with trio.move_on_after(DRAIN_STATUS_S):
                 await engine.wait_idle()
+            _fail_waiting(daemon, engine)  # e.g. a peer's offer that arrived during the drain
     left_over = engine.inflight()
-    # Executors blocked in Wait get their completions before the sessions close (bounded: a
-    # Wait for a request that never started does not hold the stop beyond the grace).
-    with trio.move_on_at(min(deadline, trio.current_time() + DRAIN_REPLY_GRACE_S)):
-        while any(s.inflight for s in daemon.sessions.values()):
-            await trio.sleep(DRAIN_REPLY_POLL_S)
     if left_over:
         log.warning(
             "daemon.drain_timeout",
@@ -136,6 +151,18 @@ async def _drain(daemon: Daemon, engine: Engine, notifier: Notifier) -> None:
             transfers_cancelled=len(left_over),
             request_ids=left_over[:16],
         )
+        engine.stop_requests(DaemonStopping(
+            f"kvd on node {daemon.config.node!r} is stopping ({daemon.stop_reason or 'drain'}) and "
+            f"drain_timeout_s={timeout:g} passed before the transfer finished"
+        ), only_waiting=False)
+        with trio.move_on_after(DRAIN_ABORT_GRACE_S):
+            await engine.wait_idle()
+        left_over = engine.inflight()
+    # Executors blocked in Wait get their completions before the sessions close (every side
+    # here has reported by now; bounded all the same: a slow reader does not hold the stop).
+    with trio.move_on_after(DRAIN_REPLY_GRACE_S):
+        while any(s.inflight for s in daemon.sessions.values()):
+            await trio.sleep(DRAIN_REPLY_POLL_S)
     notifier.status(f"stopping: {len(left_over)} transfer(s) cancelled" if left_over else "stopping: drained")
     log.info("daemon.stopping", transfers_active=len(left_over))
 
