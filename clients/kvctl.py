@@ -123,12 +123,12 @@ def _transfer_rows(transfers: list[m.TransferInfo]) -> list[list[Any]]:
     return rows
 
 
-PEER_COLUMNS = ["peer", "state", "direction", "remote", "last heard", "transfers", "mapped", "error"]
+PEER_COLUMNS = ["peer", "state", "direction", "remote", "last heard", "retries", "transfers", "mapped", "error"]
 
 
 def _peer_rows(peers: list[m.PeerInfo]) -> list[list[Any]]:
     return [[p.node, p.state, p.direction, p.remote or "-",
-             f"{p.last_heard_s:.1f}s ago" if p.last_heard_s >= 0 else "never", p.transfers_active,
+             f"{p.last_heard_s:.1f}s ago" if p.last_heard_s >= 0 else "never", p.attempts, p.transfers_active,
              "yes" if p.mapped else "no", p.error] for p in peers]
 
 

@@ -93,6 +93,13 @@ def check_config(config: Config) -> None:
     _check_seconds("[transfer] bounce_wait_s", t.bounce_wait_s, positive=False)
     _check_seconds("[transfer] heartbeat_interval_s", t.heartbeat_interval_s, positive=True)
     _check_seconds("[transfer] heartbeat_timeout_s", t.heartbeat_timeout_s, positive=True)
+    _check_seconds("[transfer] reconnect_initial_s", t.reconnect_initial_s, positive=True)
+    _check_seconds("[transfer] reconnect_max_s", t.reconnect_max_s, positive=True)
+    if t.reconnect_max_s < t.reconnect_initial_s:
+        raise BadRequest(
+            f"invalid configuration: [transfer] reconnect_max_s ({t.reconnect_max_s:g}) is below "
+            f"reconnect_initial_s ({t.reconnect_initial_s:g})"
+        )
 
 
 def _page(items: list[_T], offset: int, limit: int) -> list[_T]:
