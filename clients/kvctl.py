@@ -306,8 +306,8 @@ def _count(text: str) -> int:
     return value
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``kvctl`` console script."""
+def build_parser() -> argparse.ArgumentParser:
+    """The ``kvctl`` command line."""
     parser = argparse.ArgumentParser(
         prog="kvctl",
         description="inspect and control a running kvd",
@@ -347,6 +347,12 @@ def main(argv: list[str] | None = None) -> int:
     p_tr.add_argument("--watch", "-w", action="store_true", help="refresh until interrupted (Ctrl-C)")
     p_tr.add_argument("--interval", "-n", type=_positive, default=1.0, help="seconds between refreshes (default 1)")
     p_tr.add_argument("--count", "-c", type=_count, default=0, help="stop after this many refreshes (implies --watch)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``kvctl`` console script."""
+    parser = build_parser()
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:
