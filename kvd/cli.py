@@ -36,12 +36,38 @@ def _serve(args: argparse.Namespace) -> int:
             ready = True
 
     try:
-        trio.run(run)
+        _run_profiled(trio.run, run)
     except (Exception, BaseExceptionGroup) as exc:
         if isinstance(exc, BaseExceptionGroup) and exc.subgroup(KeyboardInterrupt) is not None:
             return 130
         return _report(explain(exc), stage="running" if ready else "startup", cause=exc)
     return 0
+
+
+def _run_profiled(fn: object, *args: object) -> None:
+    """Call ``fn(*args)``; with ``KVD_PROFILE=PREFIX`` set, under cProfile, the stats written to
+    ``PREFIX.<pid>.prof`` at exit (for finding where a daemon's host time goes)."""
+    prefix = os.environ.get("KVD_PROFILE", "")
+    trace = os.environ.get("KVD_TRACE_STEPS", "")
+    if trace:
+        from kvd.ops.steptrace import StepTrace
+
+        tracer = StepTrace(f"{trace}.{os.getpid()}.steps")
+        try:
+            fn(*args, instruments=[tracer])  # type: ignore[operator]
+        finally:
+            tracer.dump()
+        return
+    if not prefix:
+        fn(*args)  # type: ignore[operator]
+        return
+    import cProfile
+
+    prof = cProfile.Profile()
+    try:
+        prof.runcall(fn, *args)  # type: ignore[arg-type]
+    finally:
+        prof.dump_stats(f"{prefix}.{os.getpid()}.prof")
 
 
 def _configure_logging_from_env() -> None:

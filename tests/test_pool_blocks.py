@@ -243,3 +243,18 @@ class AllocatorMachine(RuleBasedStateMachine):
 
 TestAllocatorMachine = AllocatorMachine.TestCase
 TestAllocatorMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+
+
+@pytest.mark.parametrize("ids", [[3], [0, 3], [3, 0], [0, 1, 3], [0, 0], [0, 9], [-1, 0], [0, True]])
+def test_check_leased_fast_path_agrees_with_the_checks(ids: list[Any]) -> None:
+    """The all-ints fast path refuses exactly what the per-id checks refuse (free blocks,
+    another session's, repeats, out of range, bools), with integer session ids as the daemon uses."""
+    a = BlockAllocator(8, name="p")
+    a.alloc(1, 3)  # 0, 1, 2 to session 1
+    a.alloc(2, 1)  # 3 to session 2; 4.. free
+    with pytest.raises(BlockNotLeased):
+        a.check_leased(1, ids)
+    assert a.check_leased(1, [2, 0, 1]) == [2, 0, 1]
+    assert a.check_leased(2, [3]) == [3]
+    with pytest.raises(BlockNotLeased):
+        a.check_leased(1, [4])  # free: an int session id never equals a free block's None

@@ -14,6 +14,8 @@ from __future__ import annotations
 import numbers
 from collections import deque
 from collections.abc import Hashable, Iterable
+from itertools import repeat
+from operator import eq, itemgetter
 
 from protocol.errors import BadRequest, BlockNotLeased, LimitExceeded, OutOfBlocks
 
@@ -94,6 +96,15 @@ class BlockAllocator:
 
         Returns the ids as a list of Python ints.
         """
+        if isinstance(block_ids, list) and block_ids and all(type(i) is int for i in block_ids):
+            # the common case, a registration's ids decoded from the wire: C-level checks only
+            # (a 256-block publish spent ~0.4 ms in the loop below); any doubt takes the loop,
+            # which names the offending id
+            n = len(block_ids)
+            if (min(block_ids) >= 0 and max(block_ids) < self._num_blocks and len(set(block_ids)) == n
+                    and (n == 1 or all(map(eq, itemgetter(*block_ids)(self._owner), repeat(session_id))))
+                    and (n > 1 or self._owner[block_ids[0]] == session_id)):
+                return list(block_ids)
         ids: list[int] = []
         seen: set[int] = set()
         for raw in block_ids:

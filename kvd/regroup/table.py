@@ -31,7 +31,8 @@ from typing import Literal
 import numpy as np
 import numpy.typing as npt
 
-from kvd.regroup.plan import Plan, pool_strides
+from kvd.regroup.plan import Box, Plan, pool_strides
+from protocol.layout import KVLayout
 
 __all__ = ["ChunkRange", "PairGrid", "chunk_ranges", "pair_grid", "row_tables"]
 
@@ -162,6 +163,33 @@ def _build(p: Plan, s: int, d: int) -> PairGrid | None:
     if box is None:
         return None
     ctx, gen = p.ctx, p.gen
+    sub = min(ctx.tokens_per_block, gen.tokens_per_block)
+    run, counts, table_digit, src_base, dst_base, src_strides, dst_strides = _grid_shape(ctx, gen, box)
+    src_table = _chunk_offsets(p, "ctx", s, sub, pool_strides(ctx, s))
+    dst_table = _chunk_offsets(p, "gen", d, sub, pool_strides(gen, d))
+    return PairGrid(
+        src=s,
+        dst=d,
+        run=run,
+        counts=tuple(src_table.size if i == table_digit else c for i, c in enumerate(counts)),
+        table_digit=table_digit,
+        src_base=src_base,
+        dst_base=dst_base,
+        src_strides=src_strides,
+        dst_strides=dst_strides,
+        src_table=src_table,
+        dst_table=dst_table,
+    )
+
+
+@functools.lru_cache(maxsize=4096)
+def _grid_shape(
+    ctx: KVLayout, gen: KVLayout, box: Box
+) -> tuple[int, tuple[int, ...], int, int, int, tuple[int, ...], tuple[int, ...]]:
+    """Everything of a pair's grid but its block tables: the same for every request of a layout
+    pair, so computed once (run, counts, table digit, bases, strides; the request's size only
+    enters through the table digit's count, filled in by :func:`_build`)."""
+    s, d = box.src, box.dst
     ss, ds = pool_strides(ctx, s), pool_strides(gen, d)
     sub = min(ctx.tokens_per_block, gen.tokens_per_block)
     (sl, sh), (dl, dh) = box.src_local, box.dst_local
@@ -183,26 +211,14 @@ def _build(p: Plan, s: int, d: int) -> PairGrid | None:
                 del axes[i]
                 absorbed = True
                 break
-    src_table = _chunk_offsets(p, "ctx", s, sub, ss)
-    dst_table = _chunk_offsets(p, "gen", d, sub, ds)
     # (sort key, count, src stride, dst stride, is the table digit); stable sort as the planner's.
+    # The table digit's count is -1 here: the request's sub-block count is set per request.
     grid = [(b, n, a, b, False) for n, a, b in axes]
-    grid.append((ds["block"], src_table.size, 0, 0, True))
+    grid.append((ds["block"], -1, 0, 0, True))
     grid.sort(key=lambda g: -g[0])
     table_digit = next(i for i, g in enumerate(grid) if g[4])
-    return PairGrid(
-        src=s,
-        dst=d,
-        run=run,
-        counts=tuple(g[1] for g in grid),
-        table_digit=table_digit,
-        src_base=src_base,
-        dst_base=dst_base,
-        src_strides=tuple(g[2] for g in grid),
-        dst_strides=tuple(g[3] for g in grid),
-        src_table=src_table,
-        dst_table=dst_table,
-    )
+    return (run, tuple(g[1] for g in grid), table_digit, src_base, dst_base,
+            tuple(g[2] for g in grid), tuple(g[3] for g in grid))
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -72,7 +73,7 @@ class Engine:
         self.node = daemon.config.node
         self.transfers: dict[tuple[str, str], Transfer] = {}
         self._by_session: dict[int, dict[str, Transfer]] = {}
-        self._busy: dict[tuple[str, int], Transfer] = {}  # (pool, block) -> unfinished request
+        self._busy: dict[str, dict[int, Transfer]] = {}  # pool -> block -> unfinished request
         self.transport: Transport | None = None
         self.links: PeerLinks | None = None
         self.peer_port = 0
@@ -229,11 +230,13 @@ class Engine:
                                        "use a new request id")
             if role not in t.machine.here and (t.machine.talked or t.machine.state(role) is not f.State.IDLE):
                 raise DuplicateRequest(f"request {rid!r}: the {_ROLE[role]} side is played by peer {t.peer}")
-        for b in msg.block_ids:
-            holder = self._busy.get((pool.name, b))
-            if holder is not None and holder is not t:
-                raise BlocksInUse(f"block {b} of pool {pool.name!r} belongs to unfinished request "
-                                  f"{holder.request_id!r}; it cannot be registered to {rid!r}")
+        busy = self._busy.setdefault(pool.name, {})
+        if not busy.keys().isdisjoint(msg.block_ids):
+            for b in msg.block_ids:
+                holder = busy.get(b)
+                if holder is not None and holder is not t:
+                    raise BlocksInUse(f"block {b} of pool {pool.name!r} belongs to unfinished request "
+                                      f"{holder.request_id!r}; it cannot be registered to {rid!r}")
         deadline = trio.current_time() + deadline_s
         side = add_registration(t.sides.get(role) if t is not None else None, session, msg, pool,
                                 _ROLE[role], deadline)  # type: ignore[arg-type]
@@ -251,12 +254,13 @@ class Engine:
                 self.transfers[t.key] = t
         t.sides[role] = side
         complete = side.complete
+        if complete:
+            side.complete_at = time.monotonic()
         event: f.Event = (f.SideComplete(role, deadline=deadline, peer_named=role is f.Role.GEN
                                          and bool(msg.peer) and msg.peer != self.node)
                           if complete else f.RankRegistered(role, deadline=deadline))
         t.feed(event)
-        for b in msg.block_ids:
-            self._busy[(pool.name, b)] = t
+        busy.update(dict.fromkeys(msg.block_ids, t))
         session.requests.add(rid)
         mine = self._by_session.setdefault(session.id, {})
         mine[rid] = t
@@ -322,10 +326,11 @@ class Engine:
 
     def check_not_in_flight(self, session: Session, pool: str, block_ids: list[int]) -> None:
         """Refuse to free blocks that a registered, unfinished request still reads or writes."""
+        held = self._busy.get(pool, {})
         for b in block_ids:
-            t = self._busy.get((pool, b))
+            t = held.get(b)
             if t is not None:
-                busy = sorted(i for i in block_ids if (pool, i) in self._busy)
+                busy = sorted(i for i in block_ids if i in held)
                 raise BlocksInUse(f"blocks {busy[:8]} of pool {pool!r} belong to request {t.request_id!r} "
                                   f"({t.machine.state(f.Role.GEN if f.Role.GEN in t.sides else f.Role.CTX).value}); "
                                   "wait for it or cancel it first")
@@ -392,9 +397,10 @@ class Engine:
     def _on_report(self, t: Transfer, side: Side, c: m.Completion) -> None:
         role = f.Role.CTX if side.role == "ctx" else f.Role.GEN
         for part in side.parts.values():
+            busy = self._busy.get(part.pool.name, {})
             for b in part.block_ids:
-                if self._busy.get((part.pool.name, b)) is t:
-                    del self._busy[(part.pool.name, b)]
+                if busy.get(b) is t:
+                    del busy[b]
             part.session.requests.discard(t.request_id)
             part.pool.blocks.release_session(self._quarantine(t, role))
         staging = self._staging()

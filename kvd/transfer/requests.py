@@ -60,6 +60,8 @@ class Side:
     chunks_done: int = 0
     path: str = ""
     started: float = 0.0
+    #: when the last rank registered (monotonic; 0 while ranks are missing)
+    complete_at: float = 0.0
     #: stage name -> seconds since ``started`` when it ended (logged with the transfer)
     stages: dict[str, float] = field(default_factory=dict)
 

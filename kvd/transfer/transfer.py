@@ -299,6 +299,9 @@ class Transfer:
                 self._grants_tx.send_nowait(msg.slot)
         elif isinstance(msg, x.XferDone):
             self.done_msg = msg
+            gen = self.sides.get(f.Role.GEN)
+            if gen is not None and gen.started:
+                gen.mark("done_received")
             self.feed(f.DataDoneReceived(f.Role.CTX, msg.writes, msg.bytes))
         elif isinstance(msg, x.XferFail):
             role = f.Role(msg.sender) if msg.sender in ("ctx", "gen") else self._remote_role()
@@ -450,6 +453,8 @@ class Transfer:
                                       duration_s=duration, path=path, chunks=side.chunks_done, peer=self.peer,
                                       error_code=a.code, error_message=a.message)
         side.path = path
+        if side.started:
+            side.mark("reported")
         side.finish(completion)
         self.env.on_report(self, side, completion)
 
@@ -530,6 +535,8 @@ class Transfer:
         async def body() -> None:
             side = self.sides[f.Role.CTX]
             side.started = time.monotonic()
+            if side.complete_at:  # from the last registration to the data path's start
+                side.stages["queued"] = round(side.started - side.complete_at, 6)
             side.state = "planning"
             links = self.env.links()
             link = links.links.get(self.peer) if links is not None else None

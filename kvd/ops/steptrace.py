@@ -1,0 +1,41 @@
+"""A trio instrument that records every task step (start, duration, task name) for finding
+where an event loop's time goes between two points of a request (``KVD_TRACE_STEPS=PREFIX``
+on ``kvd serve``; written to ``PREFIX.<pid>.steps`` at exit, one ``start_s dur_us task`` line
+per step, the last 400,000 steps)."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Any
+
+from trio.abc import Instrument
+
+
+class StepTrace(Instrument):
+    """Records task steps in a ring buffer; :meth:`dump` writes them out."""
+
+    def __init__(self, path: str, keep: int = 400_000) -> None:
+        self.path = path
+        self._steps: deque[tuple[float, float, str]] = deque(maxlen=keep)
+        self._t0 = 0.0
+        self._io_t0 = 0.0
+
+    def before_task_step(self, task: Any) -> None:
+        self._t0 = time.perf_counter()
+
+    def after_task_step(self, task: Any) -> None:
+        t1 = time.perf_counter()
+        self._steps.append((self._t0, t1 - self._t0, task.name))
+
+    def before_io_wait(self, timeout: float) -> None:
+        self._io_t0 = time.perf_counter()
+
+    def after_io_wait(self, timeout: float) -> None:
+        t1 = time.perf_counter()
+        self._steps.append((self._io_t0, t1 - self._io_t0, f"<io_wait timeout={timeout:.6f}>"))
+
+    def dump(self) -> None:
+        with open(self.path, "w") as f:
+            for t0, dur, name in self._steps:
+                f.write(f"{t0:.6f} {dur * 1e6:.1f} {name}\n")
