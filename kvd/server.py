@@ -34,6 +34,7 @@ from kvd.ops.accept import accept_loop
 from kvd.ops.metrics import Metrics, serve_metrics
 from kvd.ops.notify import Notifier, run_watchdog
 from kvd.startup import EX_CONFIG, StartupError
+from kvd.transfer.stopping import QuietSides, live_roles
 from protocol import messages as m
 from protocol.codec import encode
 from protocol.errors import BadRequest, DaemonStopping, KvdError, LimitExceeded
@@ -102,6 +103,9 @@ async def _open_socket(config: Config) -> UnixListener:
         ) from None
 #: How often the drain refreshes its ``STATUS=`` line (what it still waits for).
 DRAIN_STATUS_S = 1.0
+#: A request that waits for the peer daemon's answer fails in a drain once it waited this long
+#: in the same state (the answer may be on its way); one nothing can complete fails at once.
+DRAIN_QUIET_S = 1.0
 #: After the drain's deadline: how long the transfers then failed get to confirm that their
 #: writes stopped (the no-write-after-failure rule) before what is left is cancelled.
 DRAIN_ABORT_GRACE_S = 5.0
@@ -110,14 +114,17 @@ DRAIN_REPLY_GRACE_S = 1.0
 DRAIN_REPLY_POLL_S = 0.01
 
 
-def _fail_waiting(daemon: Daemon, engine: Engine) -> None:
-    """Requests whose other side never came cannot complete while we stop: fail them now, so
-    their executors' waits get ``daemon_stopping`` instead of a closed connection later."""
-    exc = DaemonStopping(
-        f"kvd on node {daemon.config.node!r} is stopping ({daemon.stop_reason or 'drain'}) and the request's "
-        "other side never came, so it cannot complete; register it again with a running daemon"
-    )
-    failed = engine.stop_requests(exc, only_waiting=True)
+def _stopping(daemon: Daemon, why: str) -> DaemonStopping:
+    return DaemonStopping(f"kvd on node {daemon.config.node!r} is stopping ({daemon.stop_reason or 'drain'}) {why}")
+
+
+def _fail_waiting(daemon: Daemon, engine: Engine, quiet: QuietSides) -> None:
+    """Requests whose other side never came cannot complete while we stop: fail them (now, or
+    once the peer stayed silent for ``DRAIN_QUIET_S``), so their executors' waits get
+    ``daemon_stopping`` instead of a closed connection later."""
+    exc = _stopping(daemon, "and the request's other side never came, so it cannot complete; "
+                            "register it again with a running daemon")
+    failed = engine.stop_requests(exc, lambda key, machine: quiet.due(key, machine, trio.current_time()))
     if failed:
         log.info("daemon.drain_unmatched", requests=len(failed), request_ids=failed[:16])
 
@@ -133,7 +140,8 @@ async def _drain(daemon: Daemon, engine: Engine, notifier: Notifier) -> None:
     """
     timeout = daemon.config.drain_timeout_s
     deadline = trio.current_time() + timeout
-    _fail_waiting(daemon, engine)
+    quiet = QuietSides(DRAIN_QUIET_S)
+    _fail_waiting(daemon, engine, quiet)
     notifier.status(f"draining: {len(engine.inflight())} transfer(s) in flight, new work refused")
     with trio.move_on_at(deadline):
         while inflight := engine.inflight():
@@ -142,7 +150,7 @@ async def _drain(daemon: Daemon, engine: Engine, notifier: Notifier) -> None:
             notifier.status(f"draining: waiting for {len(inflight)} transfer(s) ({shown}), at most {left:.0f} s more")
             with trio.move_on_after(DRAIN_STATUS_S):
                 await engine.wait_idle()
-            _fail_waiting(daemon, engine)  # e.g. a peer's offer that arrived during the drain
+            _fail_waiting(daemon, engine, quiet)  # the quiet ones; a peer's offer that came meanwhile
     left_over = engine.inflight()
     if left_over:
         log.warning(
@@ -151,10 +159,8 @@ async def _drain(daemon: Daemon, engine: Engine, notifier: Notifier) -> None:
             transfers_cancelled=len(left_over),
             request_ids=left_over[:16],
         )
-        engine.stop_requests(DaemonStopping(
-            f"kvd on node {daemon.config.node!r} is stopping ({daemon.stop_reason or 'drain'}) and "
-            f"drain_timeout_s={timeout:g} passed before the transfer finished"
-        ), only_waiting=False)
+        engine.stop_requests(_stopping(daemon, f"and drain_timeout_s={timeout:g} passed before the transfer finished"),
+                             lambda _key, machine: live_roles(machine))
         with trio.move_on_after(DRAIN_ABORT_GRACE_S):
             await engine.wait_idle()
         left_over = engine.inflight()

@@ -265,8 +265,9 @@ class PeerLinks:
                 self.last_error[node] = str(exc)
                 self.attempts[node] = self.attempts.get(node, 0) + 1
                 delay = backoff.failed()
-                warn("peer.connect_failed", node=node, host=host, port=port, error=str(exc),
-                     attempt=self.attempts[node], retry_in_s=round(delay, 3))
+                failures.warning("peer.connect_failed", throttle_key=f"peer.connect_failed|{exc}", node=node,
+                                 host=host, port=port, error=str(exc), attempt=self.attempts[node],
+                                 retry_in_s=round(delay, 3))
                 await trio.sleep(delay)
                 continue
             backoff.reset()

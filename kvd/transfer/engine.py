@@ -29,7 +29,6 @@ import structlog
 import trio
 
 from kvd.transfer.requests import Side, add_registration
-from kvd.transfer.stopping import roles_to_stop
 from kvd.transfer.transfer import Env, Transfer
 from protocol import messages as m
 from protocol import transfer as x
@@ -48,6 +47,8 @@ from protocol.errors import (
 )
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from kvd.daemon import Daemon
     from kvd.executor.session import Session
     from kvd.peer.links import PeerLink, PeerLinks
@@ -118,15 +119,16 @@ class Engine:
         confirmed yet), sorted: what a drain waits for."""
         return sorted({t.request_id for t in self._live})
 
-    def stop_requests(self, exc: KvdError, *, only_waiting: bool) -> list[str]:
-        """A stopping daemon fails, with ``exc``, the sides that wait for their other side and
-        move no data (``only_waiting``), or every side still live (the drain's deadline passed);
-        returns the request ids. Through the machine: a side reports once no write can land."""
+    def stop_requests(self, exc: KvdError,
+                      pick: Callable[[tuple[str, str], f.TransferMachine], list[f.Role]]) -> list[str]:
+        """A stopping daemon fails, with ``exc``, the sides ``pick`` names of every unfinished
+        request (:mod:`kvd.transfer.stopping`); returns their request ids. Through the machine:
+        a side reports once no write can land."""
         stopped: set[str] = set()
         for t in list(self.transfers.values()):
             if t.finished.is_set():
                 continue
-            for role in roles_to_stop(t.machine, only_waiting=only_waiting):
+            for role in pick(t.key, t.machine):
                 t.feed(f.LocalFailure(role, exc.code, exc.message))
                 stopped.add(t.request_id)
         return sorted(stopped)
