@@ -26,7 +26,7 @@ def _serve(args: argparse.Namespace) -> int:
     except KvdError as exc:
         _configure_logging_from_env()
         return _report(config_error(args.config, exc), stage="startup")
-    configure_logging(config.log_format, config.log_level)
+    configure_logging(config.log_format, config.log_level, cache=True)
     ready = False
 
     async def run() -> None:
@@ -99,7 +99,8 @@ def _report(error: StartupError, *, stage: str, cause: BaseException | None = No
 BENCHES = {
     "ipc": "executor <-> daemon round trips over the Unix socket",
     "regroup": "the regroup copies (gather/scatter, box copies) [--device cuda]",
-    "transfer": "two daemons end to end against raw NIXL [--device cuda] [--json]",
+    "transfer": "two daemons end to end against raw NIXL [--device cuda] [--json]; "
+                "[--layout --ctx-gpus --gen-gpus --concurrent]: N-GPU layouts, requests in flight together",
 }
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, TypeVar
@@ -232,6 +233,10 @@ class Daemon:
         """Wait for a request's completion (runs as a session task)."""
         return await self._engine().wait(session, msg)
 
+    def completion_now(self, session: Session, msg: m.Wait) -> m.Message | None:
+        """The reply to a wait whose request has ended already, else None (then :meth:`wait`)."""
+        return self._engine().completion_now(session, msg)
+
     def _engine(self) -> Engine:
         if self.engine is None:
             raise NotFound("this daemon has no transfer engine running")
@@ -285,8 +290,10 @@ class Daemon:
     def pool_infos(self) -> list[m.PoolInfo]:
         return [p.info(sessions=p.blocks.sessions) for p in self.pools.values()]
 
-    def update_pool_metrics(self) -> None:
-        for name, pool in self.pools.items():
+    def update_pool_metrics(self, names: Iterable[str] | None = None) -> None:
+        """Set the pool gauges (of ``names``, or of every pool)."""
+        for name in self.pools if names is None else names:
+            pool = self.pools[name]
             self.metrics.set_pool(name, pool.blocks.used, pool.blocks.free_count)
 
     def stats(self) -> m.DaemonStats:

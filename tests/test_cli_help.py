@@ -17,6 +17,7 @@ import pytest
 
 import clients.kvctl
 import kvd.bench.ipc
+import kvd.bench.layouts
 import kvd.bench.rawnixl
 import kvd.bench.regroup
 import kvd.bench.transfer
@@ -36,12 +37,13 @@ PARSERS: dict[str, Callable[[], argparse.ArgumentParser]] = {
     "kvd bench regroup": kvd.bench.regroup.build_parser,
     "kvd bench transfer": kvd.bench.transfer.build_parser,
     "kvd bench transfer --device cuda": kvd.bench.transfer_gpu.build_parser,
+    "kvd bench transfer --layout": kvd.bench.layouts.build_parser,
     "python -m kvd.bench.rawnixl": kvd.bench.rawnixl.build_parser,
     "kvctl": clients.kvctl.build_parser,
 }
 #: the modules those parsers come from
 MODULES = {"kvd/cli.py", "kvd/demo/pair.py", "kvd/demo/model/cli.py", "kvd/bench/ipc.py", "kvd/bench/regroup.py",
-           "kvd/bench/transfer.py", "kvd/bench/transfer_gpu.py", "kvd/bench/rawnixl.py", "clients/kvctl.py"}
+           "kvd/bench/transfer.py", "kvd/bench/transfer_gpu.py", "kvd/bench/layouts.py", "kvd/bench/rawnixl.py", "clients/kvctl.py"}
 #: reStructuredText that means nothing on a terminal
 RST = re.compile(r"``|:(?:class|func|mod|meth|data|attr):`")
 

@@ -576,3 +576,46 @@ async def test_connect_with_backoff_gives_up_and_is_cancellable(
     with trio.move_on_after(30) as scope:
         await connect_with_backoff("127.0.0.1", port, initial=1, maximum=4, jitter=0)
     assert scope.cancelled_caught and trio.current_time() - t0 == pytest.approx(30)
+
+
+async def _socket_pair() -> tuple[PeerConnection, PeerConnection]:
+    a, b = trio.socket.socketpair()
+    return PeerConnection(trio.SocketStream(a)), PeerConnection(trio.SocketStream(b))
+
+
+async def test_send_nowait_queues_for_the_writer_in_order_with_send() -> None:
+    """Frames queued without waiting go out in order, before a later awaited send; with no
+    writer running nothing is queued (the caller sends awaited)."""
+    ca, cb = await _socket_pair()
+    assert not ca.send_nowait(Ping(payload=b"no writer"))
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(ca.run_writer)
+        await trio.testing.wait_all_tasks_blocked()
+        assert all(ca.send_nowait(Ping(payload=bytes([i]))) for i in range(3))
+        await ca.send(Ping(payload=b"awaited"))  # takes the queued three along, first
+        assert ca.send_nowait(Ping(payload=b"after"))
+        got = [(await cb.receive()) for _ in range(5)]
+        nursery.cancel_scope.cancel()
+    assert [m.payload for m in got] == [b"\x00", b"\x01", b"\x02", b"awaited", b"after"]  # type: ignore[attr-defined]
+    await ca.aclose()
+    await cb.aclose()
+
+
+async def test_a_failed_write_closes_the_link_and_says_why() -> None:
+    """The peer's end is gone: the writer's write fails, it records why and closes the stream,
+    the receive side of the link ends, and nothing more is queued."""
+    ca, cb = await _socket_pair()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(ca.run_writer)
+        await trio.testing.wait_all_tasks_blocked()
+        await cb.aclose()
+        with pytest.raises(ConnectionClosed):  # the peer's goodbye, or the closed connection
+            while True:
+                await ca.receive()
+        # keep queueing until a write fails (the first may still land in the kernel's buffer)
+        while ca.send_nowait(Ping(payload=b"y" * 4096)):
+            await trio.sleep(0)
+    assert ca.write_error
+    assert not ca.send_nowait(Ping(payload=b"late"))
+    with pytest.raises(ConnectionClosed):
+        await ca.receive()

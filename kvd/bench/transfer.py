@@ -13,6 +13,9 @@ Prints, all measured in the same run:
 - a raw two-process NIXL write of the same bytes with large (64 MiB) descriptors, and with
   one descriptor per regroup fragment (8 KiB), as kvd would without a bounce buffer;
 - the ratios. ``--json`` prints one JSON object instead of the table.
+
+``--layout``, ``--ctx-gpus``, ``--gen-gpus`` or ``--concurrent`` run :mod:`kvd.bench.layouts`
+instead: any ctx/gen layout, each rank's pool on its own GPU, requests in flight together.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import json
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -79,12 +83,13 @@ def _raw(nbytes: int, repeat: int) -> dict[str, Any]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The options of ``kvd bench transfer`` (``--device cuda`` has its own, see transfer_gpu)."""
+    """The options of ``kvd bench transfer`` (``--device cuda`` and ``--layout`` have their own)."""
     parser = argparse.ArgumentParser(
         prog="kvd bench transfer",
         description="The demo's scenario sized up (two daemons, ctx TP1 -> gen TP4), next to raw NIXL writes of "
                     "the same bytes: latency per request size, then throughput end to end.",
-    )
+        epilog="N-GPU layouts and concurrency: --layout KIND|FILE, --ctx-gpus, --gen-gpus, --concurrent N "
+               "(kvd bench transfer --layout tp1-tp4 --help lists their options)")
     parser.add_argument("--blocks", type=int, default=128, help="request size in blocks (2.25 MiB each)")
     parser.add_argument("--repeat", type=int, default=5, help="timed runs of each measurement, the best shown (default 5)")
     parser.add_argument("--chunk-mb", type=int, default=16, help="bounce chunk size in MiB (default 16)")
@@ -100,6 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``kvd bench transfer``."""
+    from kvd.bench import layouts
+
+    if layouts.wanted(sys.argv[1:] if argv is None else argv):  # N-GPU layouts, concurrency: its own bench
+        return layouts.main(argv)
     parser = build_parser()
     args, _ = parser.parse_known_args(argv)
     if args.device == "cuda":  # the GPU bench has its own options (--plot, --sizes, --json-out)

@@ -50,6 +50,35 @@ def _contiguous_copy(nbytes: int, repeat: int) -> float:
     return nbytes / best / 1e9
 
 
+def _kernel_alone(sizes: list[int], max_blocks: int, repeat: int) -> dict[int, float]:
+    """GB/s of the regroup kernel alone per request size (blocks): ctx TP1 pool on GPU 0 ->
+    four gen TP4 pools on GPU 1, random block ids, one push launch, timed from launch to its
+    event (best of ``repeat``). What the end-to-end path adds is everything around it."""
+    import numpy as np
+
+    from kvd.regroup import apply as regroup_apply
+    from kvd.regroup.plan import plan
+    from protocol.layout import KVLayout
+
+    geo = {**GEOMETRY, "num_blocks": max_blocks}
+    ctx, gen = KVLayout(**geo, tp_size=1), KVLayout(**geo, tp_size=4)
+    src = torch.randint(0, 256, (ctx.pool_bytes(0),), dtype=torch.uint8, device="cuda:0")
+    dst = {r: torch.zeros(gen.pool_bytes(r), dtype=torch.uint8, device="cuda:1") for r in range(4)}
+    rng = np.random.default_rng(3)
+    out: dict[int, float] = {}
+    for n in sizes:
+        best = float("inf")
+        for _ in range(repeat + 1):
+            p = plan(ctx, gen, {0: rng.permutation(max_blocks)[:n]}, {r: rng.permutation(max_blocks)[:n] for r in range(4)})
+            torch.cuda.synchronize(0)
+            torch.cuda.synchronize(1)
+            t0 = time.perf_counter()
+            regroup_apply.regroup(p, 0, src, dst, launch_on="src").wait()
+            best = min(best, time.perf_counter() - t0)
+        out[n] = n * BLOCK_BYTES / best / 1e9
+    return out
+
+
 def _raw_target(path: str, nbytes: int) -> None:
     """Target process: cudaMalloc'd memory on GPU 1 registered with NIXL; polls until told."""
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
@@ -163,29 +192,6 @@ def _e2e(workdir: Path, max_blocks: int, sizes: list[int], repeat: int, mapped: 
     return {"by_blocks": by_size, "fabric_warning": kinds[0] if kinds else ""}
 
 
-def _plot(report: dict[str, Any], path: str) -> None:
-    import matplotlib  # type: ignore[import-not-found, unused-ignore]
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # type: ignore[import-not-found, unused-ignore]
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for key, label in (("e2e_mapped", "kvd mapped (3-stream GPU pipeline)"), ("e2e_nixl_bounce", "kvd NIXL bounce")):
-        pts = sorted((int(n), v["gbps"]) for n, v in report[key]["by_blocks"].items())
-        ax.plot([p[0] * BLOCK_BYTES / MiB for p in pts], [p[1] for p in pts], marker="o", label=label)
-    ax.axhline(report["contiguous_copy_gbps"], color="gray", linestyle="--", label="contiguous GPU0->GPU1 copy")
-    ax.axhline(report["raw_nixl"]["large"]["gbps"], color="green", linestyle="-.", label="raw NIXL, 64 MiB descriptors")
-    ax.axhline(report["raw_nixl"]["per_fragment"]["gbps"], color="red", linestyle=":", label="raw NIXL per fragment")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("request size (MiB; 2.25 MiB per block)")
-    ax.set_ylabel("GB/s, publish -> completion")
-    ax.set_title("kvd on H200 x2: GPT-OSS-120B KV, ctx TP1 -> gen TP4")
-    ax.legend(fontsize=8)
-    ax.grid(True, alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The options of ``kvd bench transfer --device cuda``."""
     parser = argparse.ArgumentParser(
@@ -228,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         nixl = _e2e(workdir, max(sizes), sizes, args.repeat, False, args.chunk_mb, args.bounce_mb)
         frag = GEOMETRY["tokens_per_block"] * GEOMETRY["head_dim"] * 2 * 2
         raw = _raw_nixl(nbytes, frag, args.repeat, workdir)
+        kernel_alone = _kernel_alone(sizes, max(sizes), args.repeat)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     m, b = mapped["by_blocks"][args.blocks], nixl["by_blocks"][args.blocks]
@@ -240,16 +247,21 @@ def main(argv: list[str] | None = None) -> int:
         "e2e_mapped": mapped,
         "e2e_nixl_bounce": nixl,
         "raw_nixl": raw,
+        "kernel_alone_gbps": kernel_alone,
         "ratios": {
             "mapped_vs_contiguous": m["gbps"] / ceiling,
             "bounce_vs_contiguous": b["gbps"] / ceiling,
             "mapped_vs_per_fragment": m["gbps"] / raw["per_fragment"]["gbps"],
             "bounce_vs_per_fragment": b["gbps"] / raw["per_fragment"]["gbps"],
             "raw_large_vs_contiguous": raw["large"]["gbps"] / ceiling,
+            "bounce_vs_raw_large": b["gbps"] / raw["large"]["gbps"],
+            "kernel_alone_vs_contiguous": kernel_alone[args.blocks] / ceiling,
         },
     }
     if args.plot:
-        _plot(report, args.plot)
+        from kvd.bench.plot import plot
+
+        plot(report, args.plot)
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(report, indent=2))
     if args.json:
@@ -267,9 +279,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  ratio {k:<36} {v:8.2f}")
         print(f"  ctx-side stages, mapped (s since start): {m.get('stages')}")
         print(f"  ctx-side stages, bounce (s since start): {b.get('stages')}")
-        print("  size sweep (blocks: mapped GB/s, bounce GB/s):")
+        print("  size sweep (blocks: mapped GB/s, bounce GB/s, the kernel alone GB/s):")
         for n in sizes:
-            print(f"    {n:4d}: {mapped['by_blocks'][n]['gbps']:7.1f}  {nixl['by_blocks'][n]['gbps']:7.1f}")
+            print(f"    {n:4d}: {mapped['by_blocks'][n]['gbps']:7.1f}  {nixl['by_blocks'][n]['gbps']:7.1f}"
+                  f"  {kernel_alone[n]:7.1f}")
         for name, lat_rows in lat.items():
             latency.print_rows(f"  latency, {name} path, GPU pools, {args.latency_repeat} requests per row", lat_rows)
         if mapped["fabric_warning"]:

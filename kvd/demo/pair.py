@@ -78,6 +78,40 @@ def start_pair(
     return ctx, gen
 
 
+def pool_entry(name: str, layout: KVLayout, rank: int, *, memory: str, device: int, num_blocks: int) -> dict[str, Any]:
+    """One ``[[pools]]`` entry of a daemon config: rank ``rank`` of ``layout``, ``num_blocks`` blocks."""
+    entry: dict[str, Any] = {
+        "name": name, "memory": memory, "device": device, "num_layers": layout.num_layers,
+        "num_kv_heads": layout.num_kv_heads, "head_dim": layout.head_dim, "tokens_per_block": layout.tokens_per_block,
+        "dtype": layout.dtype, "tp_size": layout.tp_size, "pp_size": layout.pp_size,
+        "attention_dp": layout.attention_dp, "axis_order": list(layout.axis_order), "rank": rank,
+        "num_blocks": num_blocks,
+    }
+    if layout.layer_split is not None:
+        entry["layer_split"] = list(layout.layer_split)
+    return entry
+
+
+def start_pools_pair(
+    workdir: Path, *, ctx_pools: list[dict[str, Any]], gen_pools: list[dict[str, Any]], bounce_mb: int,
+    chunk_mb: int, extra_transfer: dict[str, Any] | None = None,
+) -> tuple[DaemonProcess, DaemonProcess]:
+    """Like :func:`start_pair` with the pools given (any layout, any GPU per pool): the gen
+    daemon ``gen``, then the ctx daemon ``ctx`` configured with gen as its peer."""
+    secret = write_secret(workdir)
+    transfer = {"bounce_size_mb": bounce_mb, "chunk_mb": chunk_mb, "deadline_s": 120.0, **(extra_transfer or {})}
+    common = {"peer_secret_file": secret, "transfer": transfer}
+    gen = start_daemon({**common, "pools": gen_pools}, workdir=workdir, name="gen")
+    try:
+        ctx = start_daemon({**common, "pools": ctx_pools,
+                            "peers": [{"name": "gen", "host": "127.0.0.1", "port": gen.peer_port}]},
+                           workdir=workdir, name="ctx")
+    except BaseException:
+        gen.stop()
+        raise
+    return ctx, gen
+
+
 class Scenario:
     """ctx TP1 -> gen TP4 between two running daemons: executors attached, blocks leased once.
 

@@ -19,6 +19,7 @@ import structlog
 import trio
 
 from kvd.executor.fdpass import send_with_fds
+from kvd.ops.steptrace import mark
 from kvd.ops.throttle import Throttle
 from protocol import messages as m
 from protocol.codec import decode_request, encode, request_id_of
@@ -321,6 +322,7 @@ async def _serve_session(daemon: Daemon, conn: SessionConnection, first: list[by
                     if isinstance(msg, m.Hello):
                         await conn.send_error(msg.id, ProtocolError("Hello sent twice"))
                         continue
+                    mark("session.request", type(msg).__name__)
                     await _dispatch(daemon, conn, nursery, msg)
         finally:
             nursery.cancel_scope.cancel()
@@ -355,6 +357,15 @@ async def _dispatch(
                 ),
             )
             return
+        try:
+            ready = daemon.completion_now(session, msg)
+        except KvdError as exc:
+            await conn.send_error(msg.id, exc)
+            return
+        if ready is not None:  # ended already: reply now (a session task costs a scheduler pass)
+            await conn.send(ready)
+            mark("session.replied", "Completion")
+            return
         session.inflight += 1
         nursery.start_soon(_run_slow, conn, msg.id, lambda: daemon.wait(session, msg))
         return
@@ -368,6 +379,7 @@ async def _dispatch(
         await conn.send_error(msg.id, InternalError(f"{type(exc).__name__}: {exc}"))
         return
     await conn.send(reply, fds)
+    mark("session.replied", type(reply).__name__)
 
 
 async def _run_slow(
@@ -380,6 +392,7 @@ async def _run_slow(
             await conn.send_error(request_id, exc)
             return
         await conn.send(reply)
+        mark("session.replied", type(reply).__name__)
     except (trio.BrokenResourceError, trio.ClosedResourceError, ConnectionError):
         pass
     finally:

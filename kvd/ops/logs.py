@@ -98,7 +98,7 @@ def _add_logger_name(logger: object, method_name: str, event_dict: EventDict) ->
 
 
 def configure_logging(
-    fmt: LogFormat | str = "auto", level: str = "info", stream: TextIO | None = None
+    fmt: LogFormat | str = "auto", level: str = "info", stream: TextIO | None = None, *, cache: bool = False
 ) -> None:
     """Configure structlog (and route stdlib :mod:`logging` through it) to write to ``stream``.
 
@@ -106,6 +106,8 @@ def configure_logging(
     (console when ``stream`` is a tty, JSON otherwise — journald is not a tty).
     ``level``: ``debug`` | ``info`` | ``warning`` | ``error`` | ``critical``; lower is dropped.
     ``stream`` defaults to ``sys.stdout`` (read at call time).
+    ``cache``: each logger keeps the configuration it first logged with (no re-binding per
+    line: the daemon, configured once per process, sets it; tests that reconfigure do not).
     Raises :class:`ValueError` for an unknown format or level.
     """
     global _configured, _stdlib_handler, _stdlib_root_level
@@ -134,7 +136,7 @@ def configure_logging(
         wrapper_class=structlog.make_filtering_bound_logger(level_no),
         context_class=dict,
         logger_factory=_NamedWriteLoggerFactory(out),
-        cache_logger_on_first_use=False,
+        cache_logger_on_first_use=cache,
     )
 
     # Standard-library records (libraries, warnings) go through the same renderer.

@@ -11,15 +11,29 @@ from typing import Any
 
 from trio.abc import Instrument
 
+#: The tracer of this process, when ``KVD_TRACE_STEPS`` is set (marks are dropped otherwise).
+_active: StepTrace | None = None
+
+
+def mark(label: str, *parts: object) -> None:
+    """Record a point inside a step (``= label parts...`` lines in the dump); nearly free when
+    no tracer is active (``parts`` are only formatted then)."""
+    if _active is not None:
+        text = " ".join([label, *(str(p) for p in parts)])
+        _active._steps.append((time.perf_counter(), 0.0, f"= {text}"))
+
 
 class StepTrace(Instrument):
-    """Records task steps in a ring buffer; :meth:`dump` writes them out."""
+    """Records task steps in a ring buffer; :meth:`dump` writes them out. The latest one
+    constructed also receives :func:`mark` calls."""
 
     def __init__(self, path: str, keep: int = 400_000) -> None:
         self.path = path
         self._steps: deque[tuple[float, float, str]] = deque(maxlen=keep)
         self._t0 = 0.0
         self._io_t0 = 0.0
+        global _active
+        _active = self
 
     def before_task_step(self, task: Any) -> None:
         self._t0 = time.perf_counter()

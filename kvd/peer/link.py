@@ -21,6 +21,7 @@ Failures are the :mod:`protocol.errors` classes: ``AuthFailed`` (both sides, log
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 from collections import deque
 from collections.abc import Callable
@@ -116,6 +117,12 @@ class PeerConnection:
         self._max_frame_size = max_frame_size
         self._frames: deque[bytes] = deque()
         self._send_lock = trio.Lock()
+        # frames queued by send_nowait, written by run_writer (and first by any send)
+        self._outbox: list[bytes] = []
+        self._outbox_ready = trio.Event()
+        self._writer_running = False
+        #: Why the writer stopped, if a write failed (the link is closed then).
+        self.write_error = ""
         self._receiving = False
         self._receive_size = receive_size
         self._closed_by_us = False
@@ -148,17 +155,70 @@ class PeerConnection:
         return f"{who} at {self.remote_addr}" if self.remote_addr else who
 
     async def send(self, msg: msgspec.Struct) -> None:
-        """Frame and send one message."""
+        """Frame and send one message (after any queued by :meth:`send_nowait`)."""
         data = encode_peer(msg, self._max_frame_size)
         if self._closed_by_us:
             raise ConnectionClosed(f"link to {self.describe()} was closed by us", by_peer=False)
         async with self._send_lock:
+            if self._outbox:  # what was queued earlier goes first
+                data = b"".join([*self._outbox, data])
+                self._outbox.clear()
             try:
                 await self.stream.send_all(data)
             except trio.BrokenResourceError as exc:
                 raise ConnectionClosed(f"link to {self.describe()} broke: {exc}", by_peer=True) from None
             except trio.ClosedResourceError:
                 raise ConnectionClosed(f"link to {self.describe()} was closed by us", by_peer=False) from None
+
+    def send_nowait(self, msg: msgspec.Struct) -> bool:
+        """Queue one message for :meth:`run_writer`, without waiting; False (nothing queued)
+        when no writer runs or the link is closed. Frames keep their order with :meth:`send`.
+        A write that fails later closes the link (:attr:`write_error` says why): callers learn
+        of it as of any broken link."""
+        if not self._writer_running or self._closed_by_us or self.write_error:
+            return False
+        data = encode_peer(msg, self._max_frame_size)
+        if not self._outbox and not self._send_lock.locked():
+            # nothing queued and no write under way: straight into the socket (what it does
+            # not take now is queued, first in line, for the writer)
+            data = data[self._write_now(data):]
+            if not data:
+                return True
+        self._outbox.append(data)
+        self._outbox_ready.set()
+        return True
+
+    def _write_now(self, data: bytes) -> int:
+        """Bytes of ``data`` the stream's socket took without blocking (0 when it has none,
+        or would block; an error is left to the writer, which then sees it)."""
+        sock = getattr(self.stream, "socket", None)
+        if sock is None:
+            return 0
+        try:
+            return os.write(sock.fileno(), data)
+        except OSError:
+            return 0
+
+    async def run_writer(self) -> None:
+        """Write what :meth:`send_nowait` queues, in order, batching what piled up into one
+        write, until cancelled or a write fails (then the stream is closed, so the receiving
+        side of the link ends too). Run one per connection, beside its receive loop."""
+        self._writer_running = True
+        try:
+            while True:
+                await self._outbox_ready.wait()
+                self._outbox_ready = trio.Event()
+                async with self._send_lock:
+                    if not self._outbox:
+                        continue  # a send() took them along
+                    data = b"".join(self._outbox)
+                    self._outbox.clear()
+                    await self.stream.send_all(data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+            self.write_error = str(exc) or type(exc).__name__
+            await trio.aclose_forcefully(self.stream)
+        finally:
+            self._writer_running = False
 
     async def _next_payload(self) -> bytes:
         while not self._frames:

@@ -81,6 +81,11 @@ class PeerLink:
         #: The peer's pools mapped into this process (same node only), by pool name.
         self.mapped: dict[str, MappedPool] = {}
 
+    def send_nowait(self, msg: x.XferMessage) -> bool:
+        """Queue a transfer-control message for the link's writer (no waiting, in order with
+        :meth:`send`); False when it cannot be queued now (use :meth:`send`)."""
+        return self.conn.send_nowait(msg)
+
     async def send(self, msg: x.XferMessage) -> None:
         """Send a transfer-control message; a broken link raises ``PeerUnavailable``."""
         try:
@@ -313,6 +318,7 @@ class PeerLinks:
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._heartbeats, conn, reasons)
+                nursery.start_soon(conn.run_writer)
                 try:
                     for notice in owed:
                         await link.send(notice)
@@ -323,6 +329,8 @@ class PeerLinks:
                         else:
                             log.debug("peer.ignored_message", node=node, type=type(msg).__name__)
                 except (KvdError, trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+                    if conn.write_error:  # the writer failed and closed the stream under us
+                        reasons.append(f"write failed: {conn.write_error}")
                     reasons.append(exc.message if isinstance(exc, KvdError) else str(exc) or type(exc).__name__)
                 except Exception as exc:  # a bug handling a peer message: the link ends, the daemon does not
                     log.exception("peer.link_crashed", node=node)

@@ -39,13 +39,15 @@ default 16 KiB; 4-64 KiB measured alike). A launch failure surfaces in ``done()`
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
+from kvd.ops.steptrace import mark
 from kvd.regroup import hostkernel, kernel
 from kvd.regroup.kernel import kernel_available
 from kvd.regroup.plan import Plan
-from kvd.regroup.table import ChunkRange, PairGrid, chunk_ranges, pair_grid, row_tables
+from kvd.regroup.table import ChunkRange, PairGrid, chunk_ranges, pair_grid, row_tables, stride_alignment
 
 if TYPE_CHECKING:
     import torch
@@ -159,7 +161,10 @@ def _launch(dev: int, launches: list[kernel.PairLaunch], stream: Any, nbytes: in
     k = kernel.kernel_for(dev)
     assert k is not None
     table, npairs, tiles = kernel.pack(launches, tile_bytes)
-    return Completion("kernel", nbytes, [k.run(table, npairs, tiles, stream.cuda_stream)])
+    mark("regroup.packed")
+    done = Completion("kernel", nbytes, [k.run(table, npairs, tiles, stream.cuda_stream)])
+    mark("regroup.run")
+    return done
 
 
 def _torch_range(grid: PairGrid, src: Any, dst: Any, lo: int, hi: int, *, src_packed: bool, dst_packed: bool) -> None:
@@ -211,6 +216,7 @@ def _run_pairs(
                 if t.device.index != launch_device and not k.enable_peer(int(t.device.index)):
                     return _run_pairs("torch", items, launch_device, stream, tile_bytes)
             launches.append(kernel.PairLaunch(g, src.data_ptr(), dst.data_ptr(), lo, hi, sp, dp))
+        mark("regroup.checked")
         return _launch(launch_device, launches, _stream(stream, launch_device), nbytes, tile_bytes)
     # torch: on the launching device's stream; other devices' current streams order the rest
     devices = sorted({t.device.index for _, s, d, *_ in items for t in (s, d) if t.is_cuda})
@@ -249,8 +255,13 @@ def regroup(
     that GPU's context, and another GPU's kernel cannot address it (measured:
     ``CUDA_ERROR_ILLEGAL_ADDRESS``), while the source pool, plain device memory, is reachable
     from any peer GPU."""
+    if engine in ("auto", "kernel"):
+        done = _templated(plan, src_rank, src_pool, dst_pools, stream, tile_bytes, launch_on)
+        if done is not None:
+            return done
     dsts = [d for s, d in plan.pairs() if s == src_rank]
     grids = _grids(plan, src_rank, dsts)
+    mark("regroup.grids")
     items = [(g, src_pool, dst_pools[g.dst], 0, g.nbytes, False, False) for g in grids]
     src_dev = src_pool.device.index if _is_cuda(src_pool) else None
     if launch_on == "src" or src_dev is None or not items:
@@ -269,6 +280,83 @@ def regroup(
     ]
     return Completion(parts[0].engine if len({c.engine for c in parts}) == 1 else "mixed",
                       sum(c.nbytes for c in parts), [e for c in parts for e in c._events])
+
+
+#: Launch templates kept (least recently used dropped): one per layout pair, request size,
+#: source rank and set of pools that regroup() launched the kernel for.
+TEMPLATE_CACHE = 512
+_templates: OrderedDict[tuple[Any, ...], list[tuple[int, kernel.LaunchTemplate, list[tuple[int, int]]]]] = OrderedDict()
+
+
+def _nbytes(t: Any) -> int:
+    return int(t.numel() * t.element_size())
+
+
+def _templated(
+    plan: Plan, src_rank: int, src_pool: Any, dst_pools: Mapping[int, Any], stream: Any, tile_bytes: int,
+    launch_on: LaunchOn,
+) -> Completion | None:
+    """:func:`regroup` on the kernel from a cached launch template: the request's block tables
+    are all that is computed. None when the kernel cannot do it here (the caller's general
+    path then decides: torch, or an error)."""
+    if plan.shape_key is None or not _is_cuda(src_pool) or not all(_is_cuda(t) for t in dst_pools.values()):
+        return None
+    key = (plan.shape_key, src_rank, launch_on, tile_bytes, src_pool.data_ptr(), _nbytes(src_pool),
+           tuple(sorted((d, t.data_ptr(), _nbytes(t), t.device.index) for d, t in dst_pools.items())))
+    parts = _templates.get(key)
+    if parts is None:
+        parts = _build_templates(plan, src_rank, src_pool, dst_pools, tile_bytes, launch_on)
+        if parts is None:
+            return None
+        _templates[key] = parts
+        while len(_templates) > TEMPLATE_CACHE:
+            _templates.popitem(last=False)
+    else:
+        _templates.move_to_end(key)
+    mark("regroup.template")
+    kernels = [kernel.kernel_for(dev) for dev, _, _ in parts]
+    if any(k is None for k in kernels):
+        return None  # made unavailable since (tests do): the general path says what happens
+    tables = [tpl.table([(plan.ctx_offsets[s], plan.gen_offsets[d]) for s, d in pairs]) for _, tpl, pairs in parts]
+    events = []
+    nbytes = 0
+    for (dev, tpl, _), k, table in zip(parts, kernels, tables, strict=True):
+        assert k is not None
+        st = stream if stream is not None and stream.device.index == dev else _stream(None, dev)
+        events.append(k.run(table, tpl.npairs, tpl.tiles, st.cuda_stream))
+        nbytes += tpl.nbytes
+    mark("regroup.run")
+    return Completion("kernel", nbytes, events)
+
+
+def _build_templates(
+    plan: Plan, src_rank: int, src_pool: Any, dst_pools: Mapping[int, Any], tile_bytes: int, launch_on: LaunchOn,
+) -> list[tuple[int, kernel.LaunchTemplate, list[tuple[int, int]]]] | None:
+    grids = _grids(plan, src_rank, [d for s, d in plan.pairs() if s == src_rank])
+    if not grids or any(s not in plan.ctx_offsets for s in [src_rank]) or any(g.dst not in plan.gen_offsets for g in grids):
+        return None
+    by_dev: dict[int, list[PairGrid]] = {}
+    for g in grids:
+        dev = src_pool.device.index if launch_on == "src" else dst_pools[g.dst].device.index
+        by_dev.setdefault(dev, []).append(g)
+    out = []
+    for dev, gs in sorted(by_dev.items()):
+        if not kernel_available(dev):
+            return None
+        k = kernel.kernel_for(dev)
+        assert k is not None
+        launches, align, limits = [], [], []
+        for g in gs:
+            dst = dst_pools[g.dst]
+            for t in (src_pool, dst):
+                if t.device.index != dev and not k.enable_peer(int(t.device.index)):
+                    return None  # the general path falls back to torch, and says so
+            launches.append(kernel.PairLaunch(g, src_pool.data_ptr(), dst.data_ptr(), 0, g.nbytes, False, False))
+            align.append((stride_alignment(plan, g, "src"), stride_alignment(plan, g, "dst")))
+            limits.append((_nbytes(src_pool) - g.extent_without_table("src"),
+                           _nbytes(dst) - g.extent_without_table("dst")))
+        out.append((dev, kernel.template(launches, align, limits, tile_bytes), [(g.src, g.dst) for g in gs]))
+    return out
 
 
 def _chunk(

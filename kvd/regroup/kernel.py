@@ -523,18 +523,62 @@ def _pow2(n: int) -> int:
     return 1 << (n.bit_length() - 1) if n > 0 else 1
 
 
-def _width(p: PairLaunch) -> int:
-    """Widest access (16, 8, 4, 2 or 1 bytes) that every address of the launch allows."""
+def _width(p: PairLaunch, align: tuple[int, int] | None = None) -> int:
+    """Widest access (16, 8, 4, 2 or 1 bytes) that every address of the launch allows
+    (``align``: the pool sides' alignment when not the grid's own)."""
     g = math.gcd(p.grid.run, p.lo, p.hi, 16, p.src_ptr, p.dst_ptr)
-    for side, packed in (("src", p.src_packed), ("dst", p.dst_packed)):
+    for i, (side, packed) in enumerate((("src", p.src_packed), ("dst", p.dst_packed))):
         if not packed:
-            g = math.gcd(g, p.grid.alignment(side))  # type: ignore[arg-type]
+            g = math.gcd(g, align[i] if align is not None else p.grid.alignment(side))  # type: ignore[arg-type]
     return 1 << ((g & -g).bit_length() - 1)
 
 
-def pack(pairs: list[PairLaunch], tile_bytes: int = TILE_BYTES) -> tuple[npt.NDArray[np.int64], int, int]:
+@dataclass(frozen=True)
+class LaunchTemplate:
+    """One launch's descriptors, shared by every request with the same grids' shapes, sizes
+    and pools: such requests differ only in their block tables (:meth:`table`). Building the
+    descriptors cost ~0.3 ms of host time per launch on the H200 host; filling in tables, a
+    few numpy calls. Build with :func:`template`."""
+
+    desc: npt.NDArray[np.int64]
+    npairs: int
+    tiles: int
+    nbytes: int
+    #: per descriptor: the largest src / dst table value that keeps the pair inside its pools
+    limits: tuple[tuple[int, int], ...]
+
+    def table(self, tables: list[tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]]) -> npt.NDArray[np.int64]:
+        """The launch table of one request: the descriptors, then its (src, dst) block tables,
+        one pair per descriptor in order. Raises ValueError when a table reaches outside its pool."""
+        flat: list[npt.NDArray[np.int64]] = [self.desc]
+        for (st, dt), (ls, ld) in zip(tables, self.limits, strict=True):
+            if (st.size and int(st.max()) > ls) or (dt.size and int(dt.max()) > ld):
+                raise ValueError("a block table reaches outside its pool (the pool is smaller than its layout)")
+            flat += [st, dt]
+        return np.concatenate(flat)
+
+
+def template(
+    pairs: list[PairLaunch], align: list[tuple[int, int]], limits: list[tuple[int, int]], tile_bytes: int = TILE_BYTES
+) -> LaunchTemplate:
+    """The descriptors of a launch of whole-pair ``pairs`` (pool to pool), for every request
+    whose block tables are multiples of ``align`` (per pair: src, dst pool-side alignment the
+    layouts' strides guarantee) and at most ``limits`` (per pair)."""
+    keep = [i for i, p in enumerate(pairs) if p.hi > p.lo]
+    table, npairs, tiles = pack([pairs[i] for i in keep], tile_bytes, align=[align[i] for i in keep])
+    return LaunchTemplate(desc=table[: npairs * NF].copy(), npairs=npairs, tiles=tiles,
+                          nbytes=sum(pairs[i].hi - pairs[i].lo for i in keep),
+                          limits=tuple(limits[i] for i in keep))
+
+
+def pack(
+    pairs: list[PairLaunch], tile_bytes: int = TILE_BYTES, *, align: list[tuple[int, int]] | None = None
+) -> tuple[npt.NDArray[np.int64], int, int]:
     """The launch table (descriptors, then block tables), the number of pairs in it (empty
-    ranges are left out) and the number of tiles."""
+    ranges are left out) and the number of tiles. ``align``: per pair, the pool sides'
+    alignment to assume instead of the grids' own (a template's, valid for any blocks)."""
+    if align is not None:
+        align = [a for a, p in zip(align, pairs, strict=True) if p.hi > p.lo]
     pairs = [p for p in pairs if p.hi > p.lo]
     # rows as Python lists, one array at the end: item assignment into a numpy row costs ~0.3 µs
     # a field, and this runs on the event loop for every launch
@@ -542,13 +586,13 @@ def pack(pairs: list[PairLaunch], tile_bytes: int = TILE_BYTES) -> tuple[npt.NDA
     tables: list[npt.NDArray[np.int64]] = []
     tab_at = 0
     tiles = 0
-    for p in pairs:
+    for pi, p in enumerate(pairs):
         g = p.grid
         if len(g.counts) > MAX_DIGITS:
             raise KernelError(f"grid has {len(g.counts)} digits, the kernel takes {MAX_DIGITS}")
         if g.nruns >= 1 << 32:
             raise KernelError(f"{g.nruns} runs exceed the kernel's 32-bit run index")
-        w = _width(p)
+        w = _width(p, align[pi] if align is not None else None)
         u = g.run // w
         ulo, uhi = p.lo // w, p.hi // w
         j0, jend = ulo // u, -(-uhi // u)

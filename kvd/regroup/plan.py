@@ -133,6 +133,13 @@ class Plan:
         self._fragments: dict[tuple[int, int], Int64Array] = {}
         self._boxes = boxes
         self._pairs = sorted(fragments)
+        #: What every request of this layout pair, rank set and size shares (None when built
+        #: by hand): kernels cache their launch descriptors by it.
+        self.shape_key: tuple[object, ...] | None = None
+        #: Byte offset of each sub-block of the request in each rank's pool (ctx, gen), as
+        #: the planner walks it; set by :func:`plan`.
+        self.ctx_offsets: dict[int, Int64Array] = {}
+        self.gen_offsets: dict[int, Int64Array] = {}
         self._copiers: dict[tuple[int, int], FragmentCopier] = {}
 
     def __repr__(self) -> str:
@@ -476,7 +483,10 @@ def plan(
         )
         for (s, d), box in shape.boxes.items()
     }
-    return Plan(ctx, gen, cb, gb, shape.tokens, fragments, dict(shape.boxes))
+    p = Plan(ctx, gen, cb, gb, shape.tokens, fragments, dict(shape.boxes))
+    p.shape_key = (ctx, gen, tuple(cb), tuple(gb), n_ctx, n_gen)
+    p.ctx_offsets, p.gen_offsets = src_off, dst_off
+    return p
 
 
 @functools.lru_cache(maxsize=PLAN_CACHE_SIZE)

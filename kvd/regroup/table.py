@@ -93,6 +93,13 @@ class PairGrid:
             g = math.gcd(g, int(np.gcd.reduce(table)))
         return _pow2_align(g)
 
+    def extent_without_table(self, side: Literal["src", "dst"]) -> int:
+        """:meth:`extent` less the block table's largest offset (0 when the pair is empty)."""
+        base, strides = (self.src_base, self.src_strides) if side == "src" else (self.dst_base, self.dst_strides)
+        if self.nruns == 0:
+            return 0
+        return base + self.run + sum((c - 1) * s for c, s in zip(self.counts, strides, strict=True))
+
     def extent(self, side: Literal["src", "dst"]) -> int:
         """One past the last pool byte ``side`` touches (for bounds checks)."""
         base, strides, table = (
@@ -119,6 +126,18 @@ class PairGrid:
                 src += digit * self.src_strides[i]
                 dst += digit * self.dst_strides[i]
         return src, dst
+
+
+def stride_alignment(p: Plan, g: PairGrid, side: Literal["src", "dst"]) -> int:
+    """The alignment of ``side``'s pool offsets that *every* request of ``p``'s layouts has
+    (from the run, the base, the strides and the block table's strides; not from this
+    request's block ids, as :meth:`PairGrid.alignment` is)."""
+    layout, rank = (p.ctx, g.src) if side == "src" else (p.gen, g.dst)
+    st = pool_strides(layout, rank)
+    sub = min(p.ctx.tokens_per_block, p.gen.tokens_per_block)
+    tab = st["block"] if layout.tokens_per_block == sub else math.gcd(st["block"], sub * st["token"])
+    base, strides = (g.src_base, g.src_strides) if side == "src" else (g.dst_base, g.dst_strides)
+    return _pow2_align(math.gcd(g.run, base, *strides, tab))
 
 
 def _pow2_align(g: int) -> int:
@@ -165,8 +184,12 @@ def _build(p: Plan, s: int, d: int) -> PairGrid | None:
     ctx, gen = p.ctx, p.gen
     sub = min(ctx.tokens_per_block, gen.tokens_per_block)
     run, counts, table_digit, src_base, dst_base, src_strides, dst_strides = _grid_shape(ctx, gen, box)
-    src_table = _chunk_offsets(p, "ctx", s, sub, pool_strides(ctx, s))
-    dst_table = _chunk_offsets(p, "gen", d, sub, pool_strides(gen, d))
+    src_table = p.ctx_offsets.get(s)
+    if src_table is None:
+        src_table = _chunk_offsets(p, "ctx", s, sub, pool_strides(ctx, s))
+    dst_table = p.gen_offsets.get(d)
+    if dst_table is None:
+        dst_table = _chunk_offsets(p, "gen", d, sub, pool_strides(gen, d))
     return PairGrid(
         src=s,
         dst=d,

@@ -261,7 +261,6 @@ class Engine:
         event: f.Event = (f.SideComplete(role, deadline=deadline, peer_named=role is f.Role.GEN
                                          and bool(msg.peer) and msg.peer != self.node)
                           if complete else f.RankRegistered(role, deadline=deadline))
-        t.feed(event)
         busy.update(dict.fromkeys(msg.block_ids, t))
         session.requests.add(rid)
         mine = self._by_session.setdefault(session.id, {})
@@ -270,6 +269,9 @@ class Engine:
             for old in list(mine.values())[: len(mine) - MAX_UNCOLLECTED]:
                 if old.finished.is_set():
                     self._collect(session.id, old)
+        # last: the transfer may act on it at once (start the data path, or report an outcome,
+        # which releases what was just recorded)
+        t.feed(event)
 
     def _start(self, rid: str, peer: str, here: set[f.Role]) -> Transfer:
         assert self._nursery is not None
@@ -288,6 +290,18 @@ class Engine:
         if t is None:
             raise NotFound(f"request {rid!r} is not registered by this session")
         return t
+
+    def completion_now(self, session: Session, msg: m.Wait) -> m.Completion | None:
+        """The reply to ``msg`` if the request has ended already (None: :meth:`wait` it).
+        Raises as :meth:`wait` does for a request this session did not register."""
+        t = self._of_session(session, msg.request_id)
+        sides = [s for s in t.sides.values() if session.id in s.sessions()]
+        if not sides or any(s.completion is None for s in sides):
+            return None
+        completion = sides[0].completion
+        assert completion is not None
+        self._collect(session.id, t)
+        return m.Completion(**{**{k: getattr(completion, k) for k in completion.__struct_fields__}, "id": msg.id})
 
     async def wait(self, session: Session, msg: m.Wait) -> m.Completion:
         """The completion of the session's side(s) of the request."""
@@ -427,7 +441,7 @@ class Engine:
             d.metrics.transfer_failed(c.error_code)
             log.warning("transfer.failed", request_id=t.request_id, role=side.role, peer=t.peer,
                         code=c.error_code, error=c.error_message, bytes=side.bytes_done, chunks=side.chunks_done)
-        d.update_pool_metrics()
+        d.update_pool_metrics({p.pool.name for p in side.parts.values()})
 
     def _on_finished(self, t: Transfer) -> None:
         self._live.discard(t)

@@ -17,6 +17,7 @@ from typing import Any, Literal
 import torch
 import trio
 
+from kvd.ops.steptrace import mark
 from kvd.regroup import boxbounce
 from kvd.regroup.boxcopy import copy_boxes, supports_box_copy
 from kvd.regroup.plan import Plan
@@ -71,6 +72,7 @@ async def regroup_kernel(
     launched = [regroup_apply.regroup(p, s, src[s], dst, engine="kernel", launch_on=launch_on)
                 for s in p.src_ranks()]
     t1 = time.perf_counter()
+    mark("launched")
     try:
         for c in launched:
             # trio's timers wake at millisecond resolution: sleep through most of the expected
@@ -85,6 +87,7 @@ async def regroup_kernel(
             for c in launched:
                 while not c.done():
                     await trio.sleep(0)
+    mark("gpu done")
     if timings is not None:
         timings.update({"gpu_enqueue_s": round(t1 - t0, 6), "gpu_wait_s": round(time.perf_counter() - t1, 6),
                         "gpu_kernel_launches": len(launched), "gpu_kernel_pull": int(launch_on == "dst")})

@@ -1,12 +1,14 @@
 """One :class:`Transfer` per request: its state machine, its deadline, its leases, its tasks.
 
-The transfer is an actor. Everything that happens to the request arrives in its inbox (a trio
-memory channel): executor registrations, cancels and disconnects (fed by the engine), the
-peer's transfer-control messages (delivered by the peer link), NIXL notifications (from the
-poller) and what its own data-path tasks report. The actor feeds each one to the sans-IO
-:class:`~protocol.transfer_fsm.TransferMachine` and carries out the actions it returns: send a
-message, start the data path, abort writes, report to the executors. It never decides on its
-own when a side has failed or may give its blocks back: the machine does.
+The transfer is an actor. Everything that happens to the request — executor registrations,
+cancels and disconnects (fed by the engine), the peer's transfer-control messages (from the
+peer link), NIXL notifications (from the poller) and what its own data-path tasks report — is
+fed to the sans-IO :class:`~protocol.transfer_fsm.TransferMachine`, in order, and the actions it
+returns are carried out in order: send a message, start the data path, abort writes, report to
+the executors. When the actor has nothing pending this happens in the caller's step, as far
+as the actions need no waiting; the rest (and everything that comes meanwhile) goes through
+the actor's inbox (a trio memory channel). It never decides on its own when a side has failed
+or may give its blocks back: the machine does.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import msgspec
 import structlog
 import trio
 
+from kvd.ops.steptrace import mark
 from kvd.regroup.plan import Plan, plan
 from kvd.transfer.movers import BouncePlan, bounce_chunks
 from kvd.transfer.paths import bounce, direct, fragment, local, mapped
@@ -172,6 +175,13 @@ class Transfer:
         self.done_msg: x.XferDone | None = None  # what the peer's did (gen)
         self.round_trips = 0  # peer round trips ctx waited for before data moved
         self.pregranted = 0  # receive slots granted with the announce (gen)
+        # Actions run in the step of whoever fed the event when nothing of the actor's is
+        # pending (see feed): each hop through the actor's inbox cost a scheduler pass
+        # (~50-100 us on the H200 host), and a 1-block transfer made about ten of them.
+        self._queued = 0  # items in the inbox
+        self._acting = False  # the actor is carrying out actions (it may be awaiting a send)
+        self._inline = False  # actions are running in a caller's step
+        self._deferred: list[f.Action] = []  # actions of events fed meanwhile: they go after
 
     @property
     def key(self) -> tuple[str, str]:
@@ -183,15 +193,89 @@ class Transfer:
 
     # -- input --------------------------------------------------------------------------------
     def feed(self, event: f.Event | f.Clock | f.PeerLost | f.PeerFenced) -> None:
-        """Apply one event now; its actions run in order on the actor. Raises protocol errors."""
+        """Apply one event now; its actions run in order: right here when the actor has
+        nothing pending and they need no waiting (reports, starting or aborting a data task,
+        a message the link's writer takes), else on the actor. Raises protocol errors."""
         before = self.machine.deadline
         actions = self.machine.handle(event)
+        mark("feed", type(event).__name__, actions)
+        if self._inline:  # fed by an action running now: after the rest of its list
+            self._deferred.extend(actions)
+            return
+        if actions and self._idle():
+            actions = self._run_inline(actions)
+            if not actions and (self.machine.deadline != before or self.machine.finished):
+                self._queue(_Do([]))  # the actor re-reads its deadline / sees the end
+                return
         if actions or self.machine.deadline < before:
-            self._tx.send_nowait(_Do(actions))
+            self._queue(_Do(actions))
 
     def post(self, item: x.XferMessage | x.Notif | f.PeerLost | f.PeerFenced) -> None:
-        """Deliver a peer message, a notification or a link event (never blocks)."""
+        """Deliver a peer message, a notification or a link event (never blocks): handled
+        right here when the actor has nothing pending, else queued behind what it has."""
+        if self._idle():
+            self._handle(item)
+        else:
+            self._queue(item)
+
+    def _queue(self, item: Any) -> None:
+        self._queued += 1
         self._tx.send_nowait(item)
+
+    def _idle(self) -> bool:
+        """Nothing of the actor's is pending or running: what comes now may run in order."""
+        return not (self._queued or self._acting or self._inline) and self._nursery is not None
+
+    def _run_inline(self, actions: list[f.Action]) -> list[f.Action]:
+        """Carry out the leading actions that need no waiting; return the rest (for the actor),
+        followed by the actions of events those fed meanwhile."""
+        self._inline = True
+        try:
+            while True:
+                for i, a in enumerate(actions):
+                    try:
+                        done = self._act_now(a)
+                    except Exception as exc:  # as on the actor: this request fails, the caller goes on
+                        self._on_step_error(exc)
+                        done = True
+                    if not done:
+                        return actions[i:] + self._take_deferred()
+                if not self._deferred:
+                    return []
+                actions = self._take_deferred()
+        finally:
+            self._inline = False
+
+    def _take_deferred(self) -> list[f.Action]:
+        out, self._deferred = self._deferred, []
+        return out
+
+    def _act_now(self, a: f.Action) -> bool:
+        """Carry out ``a`` now if it needs no waiting; False (nothing done) otherwise."""
+        mark("now", type(a).__name__)
+        if isinstance(a, f.Report):
+            self._report(a)
+        elif isinstance(a, f.StartData):
+            self._start(self._send_task if a.path is None else self._local_task)
+        elif isinstance(a, f.StartReceive):
+            self._start_receive(a.path)
+        elif isinstance(a, f.AbortWrites):
+            self._abort(a.role)
+        elif isinstance(a, f.SendFail):
+            return False  # sent awaited: owed to the next link if this one is gone
+        else:
+            links = self.env.links()
+            link = links.links.get(self.peer) if links is not None else None
+            if link is None:
+                return False
+            if not self.peer_instance:
+                self.peer_instance = link.agent
+            # _message may take receive slots (an announce's grants): only once it will go
+            return link.send_nowait(self._message(a)) or self._unsent(a)
+        return True
+
+    def _unsent(self, a: f.Action) -> bool:
+        raise InternalError(f"the link's writer refused {type(a).__name__} after accepting the link")
 
     # -- the actor ------------------------------------------------------------------------------
     async def run(self) -> None:
@@ -208,6 +292,7 @@ class Transfer:
                         # waits for its writes (or the peer's word), however long that takes
                         with trio.move_on_at(math.inf if expired else self.machine.deadline):
                             item = await self._rx.receive()
+                            self._queued -= 1
                         if item is None:
                             expired = True
                             self._explain_expiry()
@@ -219,6 +304,7 @@ class Transfer:
                             item = self._rx.receive_nowait()
                         except trio.WouldBlock:
                             break
+                        self._queued -= 1
                         if isinstance(item, _Do):
                             await self._do(item.actions)
                     nursery.cancel_scope.cancel()
@@ -227,23 +313,38 @@ class Transfer:
             self.env.on_finished(self)
 
     async def _step(self, item: Any) -> None:
-        try:
-            if isinstance(item, _Do):
+        if isinstance(item, _Do):
+            self._acting = True
+            try:
                 await self._do(item.actions)
-            elif isinstance(item, x.Notif):
+            except Exception as exc:
+                self._on_step_error(exc)
+            finally:
+                self._acting = False
+        else:
+            self._handle(item)
+
+    def _handle(self, item: Any) -> None:
+        """A message, notification or link event, fed to the machine now."""
+        try:
+            if isinstance(item, x.Notif):
                 self._on_notif(item)
             elif isinstance(item, x.XferMessage):
                 self._on_message(item)
             else:
                 self.feed(item)
-        except RemoteProtocolError as exc:
+        except Exception as exc:
+            self._on_step_error(exc)
+
+    def _on_step_error(self, exc: Exception) -> None:
+        if isinstance(exc, RemoteProtocolError):
             log.warning("transfer.peer_protocol_error", peer=self.peer, error=exc.message)
             self._fail_here(exc)
-        except LocalProtocolError as exc:
+        elif isinstance(exc, LocalProtocolError):
             log.error("transfer.local_protocol_error", error=exc.message)
             self._fail_here(exc)
-        except Exception as exc:  # a bug: this request fails, the daemon serves on
-            log.exception("transfer.internal_error")
+        else:  # a bug: this request fails, the daemon serves on
+            log.exception("transfer.internal_error", exc_info=exc)
             self._fail_here(InternalError(f"internal error: {type(exc).__name__}: {exc}"))
 
     def _explain_expiry(self) -> None:
@@ -331,6 +432,7 @@ class Transfer:
     # -- actions ----------------------------------------------------------------------------------
     async def _do(self, actions: list[f.Action]) -> None:
         for a in actions:
+            mark("do", type(a).__name__)
             if isinstance(a, f.Report):
                 self._report(a)
             elif isinstance(a, f.StartData):
@@ -457,6 +559,7 @@ class Transfer:
             side.mark("reported")
         side.finish(completion)
         self.env.on_report(self, side, completion)
+        mark("reported")
 
     # -- data path: ctx -----------------------------------------------------------------------------
     async def _get_plan(self) -> Plan:
@@ -544,6 +647,7 @@ class Transfer:
                 raise PeerUnavailable(f"request {self.request_id!r}: link to peer {self.peer} is down")
             p = await self._get_plan()
             side.mark("planned")
+            mark("planned")
             job = self._job(p, side)
             job.nixl, job.remote_agent, job.remote_pools = self.env.nixl(), link.agent, self.remote.pools
             side.state = "sending"

@@ -171,3 +171,27 @@ def test_engines_agree_on_narrow_elements() -> None:
         outs[engine] = back(dst_t, p)
     check(outs["kernel"], want, "kernel")
     check(outs["torch"], want, "torch")
+
+
+def test_launch_template_reused_across_requests_of_one_shape() -> None:
+    """Requests of one layout pair and size reuse one launch template: each still lands its
+    own blocks byte for byte, and a destination pool smaller than its layout is refused
+    before anything is launched."""
+    geo = {"num_layers": 4, "num_kv_heads": 8, "head_dim": 64, "tokens_per_block": 16, "dtype": "bfloat16"}
+    ctx, gen = KVLayout(**geo, num_blocks=32), KVLayout(**geo, tp_size=4, num_blocks=32)
+    src = torch.randint(0, 256, (ctx.pool_bytes(0),), dtype=torch.uint8, device="cuda:0")
+    got = {r: torch.full((gen.pool_bytes(r),), SENTINEL, dtype=torch.uint8, device="cuda:0") for r in range(4)}
+    rng = np.random.default_rng(11)
+    before = len(rg._templates)
+    for _ in range(3):
+        p = plan(ctx, gen, {0: rng.permutation(32)[:5]}, {r: rng.permutation(32)[:5] for r in range(4)})
+        ref = {r: t.clone() for r, t in got.items()}
+        p.apply({0: src}, ref)
+        rg.regroup(p, 0, src, got).wait()
+        for r in got:
+            assert torch.equal(got[r], ref[r]), r
+    assert len(rg._templates) == before + 1  # one template served the three requests
+    small = {r: t[: t.numel() // 2] for r, t in got.items()}  # half the pool: block ids reach past it
+    p = plan(ctx, gen, {0: np.arange(27, 32)}, {r: np.arange(27, 32) for r in range(4)})
+    with pytest.raises(ValueError, match="outside"):
+        rg.regroup(p, 0, src, small, engine="kernel")

@@ -18,23 +18,23 @@ from kvd.transfer.paths.base import Job, Sent
 
 async def launch_side(job: Job) -> Literal["src", "dst"] | None:
     """Where the regroup kernel runs, or None when it cannot: on the source GPU when every
-    mapped pool is on it; on each destination GPU (pull) when the mapped pools are CUDA IPC
-    mappings on other GPUs (only their own GPU's context can address them) and the source
-    pools are plain device memory (reachable from peer GPUs). VMM mappings (posix_fd, fabric)
+    source and mapped pool is on it; on each destination GPU (pull) when the mapped pools are
+    CUDA IPC mappings on other GPUs (only their own GPU's context can address them) and the
+    source pools, on one GPU or several, are plain device memory (reachable from peer GPUs). VMM mappings (posix_fd, fabric)
     elsewhere keep the torch path. The first call per device compiles or loads the kernel in a
     worker thread; later ones answer on the event loop."""
     from kvd.regroup import kernel as regroup_kernel_mod
 
     pools = list(job.src.values())
     devices = {pool.device for pool in pools}
-    if not job.mapped or len(devices) != 1 or min(devices) < 0:
+    if not job.mapped or min(devices) < 0:
         return None
-    (src_dev,) = devices
     mapped: list[Any] = list(job.mapped.values())
     where: Literal["src", "dst"]
-    if all(mp.device == src_dev for mp in mapped):
-        where, need = "src", {src_dev}
+    if len(devices) == 1 and all(mp.device == min(devices) for mp in mapped):
+        where, need = "src", devices
     elif all(mp.handle_kind == "cuda_ipc" for mp in mapped) and all(pool.kind == "device" for pool in pools):
+        # ctx ranks on several GPUs too: each destination GPU pulls from every source GPU
         where, need = "dst", {mp.device for mp in mapped}
     else:
         return None

@@ -1,0 +1,62 @@
+"""Draw ``kvd bench transfer --device cuda``'s report as GB/s against request size.
+
+``python -m kvd.bench.plot REPORT.json OUT.png`` (needs matplotlib; no torch, no GPU: the
+figure can be drawn on any machine from the JSON a GPU run wrote with ``--json-out``).
+Lines: kvd end to end on the mapped path and on the NIXL bounce path, the regroup kernel
+alone, and as horizontal lines the contiguous GPU0 -> GPU1 copy and raw NIXL writes of the
+same run.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+MiB = 1 << 20
+#: GPT-OSS-120B KV at TP1: 36 layers x K/V x 8 heads x 32 tokens x 64 x bf16.
+BLOCK_BYTES = 36 * 2 * 8 * 32 * 64 * 2
+
+
+def plot(report: dict[str, Any], path: str) -> None:
+    """Write the figure of ``report`` to ``path`` (PNG)."""
+    import matplotlib  # type: ignore[import-not-found, unused-ignore]
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # type: ignore[import-not-found, unused-ignore]
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    curves = [
+        ("kvd end to end, mapped (regroup kernel)", {n: v["gbps"] for n, v in report["e2e_mapped"]["by_blocks"].items()}),
+        ("kvd end to end, NIXL bounce", {n: v["gbps"] for n, v in report["e2e_nixl_bounce"]["by_blocks"].items()}),
+    ]
+    if report.get("kernel_alone_gbps"):
+        curves.append(("regroup kernel alone (GPU0 -> GPU1)", report["kernel_alone_gbps"]))
+    for label, by_blocks in curves:
+        pts = sorted((int(n), float(v)) for n, v in by_blocks.items())
+        ax.plot([p[0] * BLOCK_BYTES / MiB for p in pts], [p[1] for p in pts], marker="o", label=label)
+    ax.axhline(report["contiguous_copy_gbps"], color="gray", linestyle="--", label="contiguous GPU0 -> GPU1 copy")
+    ax.axhline(report["raw_nixl"]["large"]["gbps"], color="green", linestyle="-.", label="raw NIXL, 64 MiB descriptors")
+    ax.axhline(report["raw_nixl"]["per_fragment"]["gbps"], color="red", linestyle=":", label="raw NIXL, per 8 KiB fragment")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("request size (MiB; 2.25 MiB per block)")
+    ax.set_ylabel("GB/s (end to end: publish -> completion)")
+    ax.set_title("kvd on H200 x2: GPT-OSS-120B KV, ctx TP1 (GPU 0) -> gen TP4 (GPU 1)")
+    ax.legend(fontsize=8)
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 2:
+        print("usage: python -m kvd.bench.plot REPORT.json OUT.png", file=sys.stderr)
+        return 2
+    with open(args[0]) as f:
+        plot(json.load(f), args[1])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
