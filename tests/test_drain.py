@@ -80,11 +80,13 @@ def test_sigterm_fails_unmatched_requests_and_finishes_moving_ones(daemon_factor
     assert events(pair.gen, "daemon.stopping")[0]["transfers_active"] == 0
     # the ctx daemon, holding gen's announced destination, was told: it dropped it (no executor
     # of its own had published, so no one waits there)
+    # (the line names the request when the actor logs it, not when the feeding step does)
     def dropped() -> list[dict[str, object]]:
-        return [e for e in events(pair.ctx, "transfer.dropped") if e.get("request_id") == "lonely-announced"]
+        return [e for e in events(pair.ctx, "transfer.dropped")
+                if e.get("request_id", "lonely-announced") == "lonely-announced" and e["code"] == "daemon_stopping"]
 
     wait_until(lambda: bool(dropped()), "ctx to drop the announced destination")
-    assert dropped()[0]["code"] == "daemon_stopping"
+    assert dropped()[0]["role"] == "ctx" and dropped()[0]["peer"] == "gen"
 
 
 def test_a_transfer_still_running_at_the_drain_timeout_fails_with_daemon_stopping(
