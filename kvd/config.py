@@ -93,7 +93,7 @@ class TransferConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
     """Transfer engine tuning."""
 
     bounce_size_mb: int = 512  # receive region per peer link (and send staging)
-    chunk_mb: int = 64  # one NIXL write per chunk
+    chunk_mb: int = 64  # bounce slot size: the largest bounce chunk (one NIXL write each)
     gpu_chunk_mb: int = 128  # chunk of the GPU-to-GPU mapped pipeline (fewer, larger: host-bound)
     deadline_s: float = 60.0  # default per-transfer deadline
     bounce_wait_s: float = 5.0  # how long to wait for credits before per-fragment fallback
@@ -108,6 +108,9 @@ class TransferConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
     # Fault injection for tests and drills: a receiver that never grants bounce credit
     # (senders then fall back to per-fragment writes after bounce_wait_s, or time out).
     grant_credits: bool = True
+    # Bounce credits (the peer's receive slots) come back as NIXL notifications; false: as
+    # XferGrant messages over the peer link, as older daemons send them.
+    credit_notifs: bool = True
     # Same-node peers: attach the peer's pools over its Unix socket and regroup straight into
     # them (path "mapped": no NIXL, no bounce). Off = always go through NIXL.
     mapped: bool = True

@@ -7,10 +7,13 @@ the daemons, hand out receive credits and report the outcome:
     XferOffer(layout, blocks, deadline)  ──▶   (waits until its executors' Expect is complete)
                                          ◀──   XferAccept(layout, blocks, pool regions, slots)
     -- both plan the same regroup; path = direct (equal layouts) or bounce --
-                                         ◀──   XferGrant(slot)        (one per free receive slot,
-                                                                        beyond those granted up front)
+    XferPath(bounce, chunk_bytes, credits="notif") ──▶
+                                         ◀──   Credit(slots)          (NIXL notification: receive slots
+                                                                        beyond those granted up front;
+                                                                        XferGrant(slot) on the link when
+                                                                        the sender did not ask for them)
     NIXL WRITE staging slot → remote slot, notification (request, seq, slot)
-                                               scatter slot → blocks, slot freed, next grant
+                                               scatter slot → blocks, slot freed, next credit
     XferPath(mapped | fragment): no receive slots needed (same-node mapped pools, or
     no credit in time: per-fragment NIXL writes straight into the blocks)
     XferDone(writes, bytes)              ──▶
@@ -86,6 +89,7 @@ class XferAccept(XferMessage, frozen=True, tag="xfer_accept"):
     # gen rank -> pool name (for the same-node mapped path)
     pool_names: Annotated[dict[Rank, Name], msgspec.Meta(max_length=MAX_WORLD_SIZE)] = {}
     slots: Slots = []  # receive slots granted up front (bounce path)
+    chunking: Name = ""  # CHUNKING_RANGES: gen scatters the chunks XferPath.chunk_bytes cuts ("" = older daemon)
 
 
 class XferAnnounce(XferMessage, frozen=True, tag="xfer_announce"):
@@ -97,9 +101,13 @@ class XferAnnounce(XferMessage, frozen=True, tag="xfer_announce"):
     pool_names: Annotated[dict[Rank, Name], msgspec.Meta(max_length=MAX_WORLD_SIZE)] = {}
     slots: Slots = []  # receive slots granted up front (bounce path)
     deadline_s: TimeoutS = 0.0  # seconds left on the gen side when sent (0 = ctx's own deadline)
+    chunking: Name = ""  # as XferAccept.chunking
 
 
 class XferGrant(XferMessage, frozen=True, tag="xfer_grant"):
+    """One receive slot for the bounce path, over the link (when the sender did not ask for
+    :class:`Credit` notifications)."""
+
     slot: Slot
 
 
@@ -113,6 +121,11 @@ class XferPath(XferMessage, frozen=True, tag="xfer_path"):
     # the ctx side's layout and blocks, when gen announced its destination and got no offer
     layout: KVLayout | None = None
     blocks: RankBlocks = {}
+    # bounce: every (ctx rank, gen rank) pair's byte stream is cut every chunk_bytes (the
+    # receiver's chunk list; 0 from older daemons), and credits = CREDITS_NOTIF asks for the
+    # receive slots as Credit notifications rather than XferGrant messages
+    chunk_bytes: ByteCount = 0
+    credits: Name = ""
 
 
 class XferDone(XferMessage, frozen=True, tag="xfer_done"):
@@ -132,6 +145,13 @@ class XferFail(XferMessage, frozen=True, tag="xfer_fail"):
     sender: Name = ""  # "ctx" | "gen": the side that failed ("" from older daemons)
 
 
+#: ``chunking`` of a receiver that cuts every (ctx rank, gen rank) pair's byte stream (its
+#: runs in the planner's fragment order) every ``XferPath.chunk_bytes``, chunk ``seq`` being
+#: the ``seq``-th over the pairs in sorted order.
+CHUNKING_RANGES = "ranges"
+#: ``XferPath.credits`` of a sender that takes receive slots as :class:`Credit` notifications.
+CREDITS_NOTIF = "notif"
+
 XFER_MESSAGES = (XferOffer, XferAccept, XferAnnounce, XferGrant, XferPath, XferDone, XferComplete, XferFail)
 
 
@@ -143,17 +163,33 @@ class Notif(msgspec.Struct, frozen=True, array_like=True):
     slot: Annotated[int, msgspec.Meta(ge=-1, lt=MAX_SLOTS)]  # receive slot for bounce writes, -1 straight into the blocks
 
 
+#: Receive slots one :class:`Credit` carries at most.
+MAX_CREDITS = 1024
+
+
+class Credit(msgspec.Struct, frozen=True, array_like=True, tag="credit"):
+    """NIXL notification from the receiver to the sender: receive slots it may write into
+    (the bounce path's credits). Encoded ``["credit", request_id, [slot, ...]]``: never
+    mistaken for a :class:`Notif` (whose second field is an integer)."""
+
+    request_id: RequestId
+    slots: Annotated[list[Slot], msgspec.Meta(min_length=1, max_length=MAX_CREDITS)]
+
+
 _notif_encoder = msgspec.msgpack.Encoder()
 _notif_decoder = msgspec.msgpack.Decoder(Notif)
+_credit_decoder = msgspec.msgpack.Decoder(Credit)
 
 
-def encode_notif(n: Notif) -> bytes:
+def encode_notif(n: Notif | Credit) -> bytes:
     return _notif_encoder.encode(n)
 
 
-def decode_notif(data: bytes) -> Notif | None:
-    """Decode a notification; ``None`` when it is not one of ours."""
-    try:
-        return _notif_decoder.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
-        return None
+def decode_notif(data: bytes) -> Notif | Credit | None:
+    """Decode a notification (a write's, or a credit); ``None`` when it is not one of ours."""
+    for decoder in (_notif_decoder, _credit_decoder):
+        try:
+            return decoder.decode(data)
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+            continue
+    return None

@@ -179,13 +179,18 @@ def run(workdir: Path, sizes: list[int], repeat: int, *, mapped: bool, memory: s
     return rows
 
 
+def _is_time(stage: str) -> bool:
+    return not stage.startswith(("gpu_kernel_", "credits_")) and not stage.endswith("_bytes")
+
+
 def print_rows(title: str, rows: list[dict[str, Any]]) -> None:
     print(title)
     print(f"  {'blocks':>6} {'MiB':>7} {'order':<10} {'path':<7} {'p50 ms':>8} {'p99 ms':>8} {'ctx p50':>8}"
           f" {'GB/s':>7} {'rtt':>4}  ctx stages (ms since data path start; queued: before it)")
     for r in rows:
         # stage times print in ms; the GPU path's launch counts (gpu_kernel_*) are counts
-        stages = " ".join(f"{k}={v:.0f}" if k.startswith("gpu_kernel_") else f"{k}={v * 1e3:.2f}"
+        # times print in ms; counts (gpu_kernel_*, credits_*) and sizes (*_bytes) as they are
+        stages = " ".join(f"{k}={v * 1e3:.2f}" if _is_time(k) else f"{k}={v:.0f}"
                           for k, v in r["ctx_stages_s"].items())
         rtt = ",".join(str(x) for x in r["round_trips"])
         print(f"  {r['blocks']:>6} {r['bytes'] / (1 << 20):>7.1f} {r['order']:<10} {r['path']:<7}"

@@ -6,13 +6,14 @@ regroup kernel) can replace one without touching the paths.
 - :func:`regroup_kernel`: the same on GPUs with the run-time compiled regroup kernel
   (:mod:`kvd.regroup.apply`): one launch per source rank, completion by CUDA event polled
   from the event loop (no worker thread, no blocking wait).
-- :func:`gather` / :func:`scatter`: one bounce chunk into / out of a staging slot.
-- :func:`bounce_chunks`: the chunk list sender and receiver derive from one plan.
+
+The bounce path's gathers and scatters are :func:`kvd.regroup.apply.gather_chunk` /
+:func:`~kvd.regroup.apply.scatter_chunk`, launched by :mod:`kvd.transfer.paths.bounce` itself.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 import trio
@@ -21,8 +22,6 @@ from kvd.ops.steptrace import mark
 from kvd.regroup import boxbounce
 from kvd.regroup.boxcopy import copy_boxes, supports_box_copy
 from kvd.regroup.plan import Plan
-from kvd.regroup.stager import gather as stager_gather
-from kvd.regroup.stager import scatter as stager_scatter
 from kvd.regroup.stager import schedule
 
 #: Up to this many bytes a host regroup runs on the event loop: a worker-thread hop costs more.
@@ -92,39 +91,3 @@ async def regroup_kernel(
         timings.update({"gpu_enqueue_s": round(t1 - t0, 6), "gpu_wait_s": round(time.perf_counter() - t1, 6),
                         "gpu_kernel_launches": len(launched), "gpu_kernel_pull": int(launch_on == "dst")})
     return sum(c.nbytes for c in launched)
-
-
-class BouncePlan:
-    """The chunk list both daemons derive from one plan, and how to stage each chunk."""
-
-    def __init__(self, p: Plan, chunk_bytes: int) -> None:
-        self.plan = p
-        self.boxes = boxbounce.fits(p, chunk_bytes)
-        self.chunks: list[Any] = (
-            boxbounce.box_chunks(p, chunk_bytes) if self.boxes else schedule(p, chunk_bytes=chunk_bytes).all_chunks()
-        )
-
-
-def bounce_chunks(p: Plan, chunk_bytes: int) -> BouncePlan:
-    """Chunks for the bounce pipeline: whole-block boxes when they apply, else fragments."""
-    return BouncePlan(p, chunk_bytes)
-
-
-def gather(bp: BouncePlan, chunk: Any, pool: Any, slot: torch.Tensor) -> None:
-    """Stage ``chunk`` from ``pool`` into ``slot``; on CUDA, wait: NIXL reads the slot next."""
-    if bp.boxes:
-        boxbounce.gather_box(bp.plan, chunk, pool.tensor(), slot)
-        return
-    stager_gather(chunk, pool.tensor_u8(), slot)
-    if slot.is_cuda:
-        torch.cuda.current_stream(slot.device).synchronize()
-
-
-def scatter(bp: BouncePlan, chunk: Any, slot: torch.Tensor, pool: Any) -> None:
-    """Write ``chunk`` from ``slot`` into ``pool``; on CUDA, wait: the slot is granted again next."""
-    if bp.boxes:
-        boxbounce.scatter_box(bp.plan, chunk, slot, pool.tensor())
-        return
-    stager_scatter(chunk, slot, pool.tensor_u8())
-    if slot.is_cuda:
-        torch.cuda.current_stream(slot.device).synchronize()

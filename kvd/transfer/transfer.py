@@ -27,7 +27,6 @@ import trio
 
 from kvd.ops.steptrace import mark
 from kvd.regroup.plan import Plan, plan
-from kvd.transfer.movers import BouncePlan, bounce_chunks
 from kvd.transfer.paths import bounce, direct, fragment, local, mapped
 from kvd.transfer.paths.base import Job, Sent
 from kvd.transfer.requests import Side
@@ -111,6 +110,9 @@ class _Remote:
     blocks: dict[int, list[int]] = field(default_factory=dict)
     pools: dict[int, x.RemoteRegion] = field(default_factory=dict)
     pool_names: dict[int, str] = field(default_factory=dict)
+    chunking: str = ""  # gen's bounce chunk layout (x.CHUNKING_RANGES; "" = an older daemon)
+    chunk_bytes: int = 0  # ctx's bounce chunk size (0 = an older daemon)
+    credits: str = ""  # how ctx takes bounce credits (x.CREDITS_NOTIF; "" = XferGrant messages)
 
 
 class _Progress:
@@ -175,6 +177,7 @@ class Transfer:
         self.done_msg: x.XferDone | None = None  # what the peer's did (gen)
         self.round_trips = 0  # peer round trips ctx waited for before data moved
         self.pregranted = 0  # receive slots granted with the announce (gen)
+        self.bounce_chunk = 0  # the bounce chunk size ctx chose, named in its path message
         # Actions run in the step of whoever fed the event when nothing of the actor's is
         # pending (see feed): each hop through the actor's inbox cost a scheduler pass
         # (~50-100 us on the H200 host), and a 1-block transfer made about ten of them.
@@ -210,11 +213,12 @@ class Transfer:
         if actions or self.machine.deadline < before:
             self._queue(_Do(actions))
 
-    def post(self, item: x.XferMessage | x.Notif | f.PeerLost | f.PeerFenced) -> None:
+    def post(self, item: x.XferMessage | x.Notif | x.Credit | f.PeerLost | f.PeerFenced) -> None:
         """Deliver a peer message, a notification or a link event (never blocks): handled
         right here when the actor has nothing pending, else queued behind what it has."""
         if self._idle():
-            self._handle(item)
+            with structlog.contextvars.bound_contextvars(request_id=self.request_id):  # as on the actor
+                self._handle(item)
         else:
             self._queue(item)
 
@@ -228,23 +232,28 @@ class Transfer:
 
     def _run_inline(self, actions: list[f.Action]) -> list[f.Action]:
         """Carry out the leading actions that need no waiting; return the rest (for the actor),
-        followed by the actions of events those fed meanwhile."""
+        followed by the actions of events those fed meanwhile. Logged lines name the request,
+        as the actor's do."""
         self._inline = True
         try:
-            while True:
-                for i, a in enumerate(actions):
-                    try:
-                        done = self._act_now(a)
-                    except Exception as exc:  # as on the actor: this request fails, the caller goes on
-                        self._on_step_error(exc)
-                        done = True
-                    if not done:
-                        return actions[i:] + self._take_deferred()
-                if not self._deferred:
-                    return []
-                actions = self._take_deferred()
+            with structlog.contextvars.bound_contextvars(request_id=self.request_id):
+                return self._act_in_order(actions)
         finally:
             self._inline = False
+
+    def _act_in_order(self, actions: list[f.Action]) -> list[f.Action]:
+        while True:
+            for i, a in enumerate(actions):
+                try:
+                    done = self._act_now(a)
+                except Exception as exc:  # as on the actor: this request fails, the caller goes on
+                    self._on_step_error(exc)
+                    done = True
+                if not done:
+                    return actions[i:] + self._take_deferred()
+            if not self._deferred:
+                return []
+            actions = self._take_deferred()
 
     def _take_deferred(self) -> list[f.Action]:
         out, self._deferred = self._deferred, []
@@ -329,6 +338,8 @@ class Transfer:
         try:
             if isinstance(item, x.Notif):
                 self._on_notif(item)
+            elif isinstance(item, x.Credit):
+                self._on_credit(item.slots, "credits_notif")
             elif isinstance(item, x.XferMessage):
                 self._on_message(item)
             else:
@@ -382,6 +393,7 @@ class Transfer:
             announced = isinstance(msg, x.XferAnnounce)
             r.layout, r.blocks = msg.layout, dict(msg.blocks)
             r.pools, r.pool_names = dict(msg.pools), dict(msg.pool_names)
+            r.chunking = msg.chunking
             if not announced:
                 self.round_trips += 1
             deadline = self._deadline(msg.deadline_s) if isinstance(msg, x.XferAnnounce) else math.inf
@@ -394,10 +406,10 @@ class Transfer:
                 raise RemoteProtocolError(f"unknown path {msg.path!r}")
             if msg.layout is not None:
                 r.layout, r.blocks = msg.layout, dict(msg.blocks)
+            r.chunk_bytes, r.credits = msg.chunk_bytes, msg.credits
             self.feed(f.PathReceived(f.Role.CTX, path))
         elif isinstance(msg, x.XferGrant):
-            if self.machine.state(f.Role.CTX) is f.State.SENDING:
-                self._grants_tx.send_nowait(msg.slot)
+            self._on_credit([msg.slot], "credits_link")
         elif isinstance(msg, x.XferDone):
             self.done_msg = msg
             gen = self.sides.get(f.Role.GEN)
@@ -410,6 +422,16 @@ class Transfer:
                 return
             self.feed(f.FailReceived(role, msg.code, msg.message, msg.writes_stopped))
         # XferComplete: older daemons confirm a transfer; the data-done message already did
+
+    def _on_credit(self, slots: list[int], kind: str) -> None:
+        """Receive slots gen granted (a Credit notification or an XferGrant): the bounce sender's."""
+        if self.machine.state(f.Role.CTX) is not f.State.SENDING:
+            return  # late: the bounce path ended (its grant channel is read no more)
+        for slot in slots:
+            self._grants_tx.send_nowait(slot)
+        side = self.sides.get(f.Role.CTX)
+        if side is not None:
+            side.stages[kind] = side.stages.get(kind, 0) + len(slots)
 
     def _remote_role(self) -> f.Role | None:
         others = [r for r in f.Role if r not in self.machine.here]
@@ -471,12 +493,16 @@ class Transfer:
             if a.announced:
                 return x.XferAnnounce(request_id=rid, layout=side.layout, blocks=side.blocks_by_rank(),
                                       pools=regions, pool_names=names, slots=self._pregrant(),
-                                      deadline_s=max(0.0, self.machine.deadline - trio.current_time()))
+                                      deadline_s=max(0.0, self.machine.deadline - trio.current_time()),
+                                      chunking=x.CHUNKING_RANGES)
             return x.XferAccept(request_id=rid, layout=side.layout, blocks=side.blocks_by_rank(),
-                                pools=regions, pool_names=names, slots=self._pregrant())
+                                pools=regions, pool_names=names, slots=self._pregrant(), chunking=x.CHUNKING_RANGES)
         if isinstance(a, f.SendPath):
             side = self.sides[f.Role.CTX]
-            return x.XferPath(request_id=rid, path=a.path.value, layout=side.layout, blocks=side.blocks_by_rank())
+            bounced = a.path is f.Path.BOUNCE
+            return x.XferPath(request_id=rid, path=a.path.value, layout=side.layout, blocks=side.blocks_by_rank(),
+                              chunk_bytes=self.bounce_chunk if bounced else 0,
+                              credits=x.CREDITS_NOTIF if bounced and self.env.cfg.credit_notifs else "")
         if isinstance(a, f.SendDataDone):
             chunks = self.sent.chunks if self.sent is not None else a.writes
             return x.XferDone(request_id=rid, writes=a.writes, bytes=a.nbytes, chunks=chunks)
@@ -668,9 +694,21 @@ class Transfer:
         if p.direct:
             self.feed(f.PathChosen(f.Role.CTX, f.Path.DIRECT))
             return await direct.send(job)
-        self.feed(f.PathChosen(f.Role.CTX, f.Path.BOUNCE))
-        bp = bounce_chunks(p, self.env.cfg.chunk_mb << 20)
-        self.sides[f.Role.CTX].chunks_total = len(bp.chunks)
+        staging = self.env.staging()
+        if staging is None:
+            raise PeerUnavailable("this daemon has no staging for the bounce path")
+        if self.remote.chunking != x.CHUNKING_RANGES or link.slot_bytes < 1:
+            # an older gen daemon scatters another chunk layout: per-fragment writes are right for any
+            reason = f"{self.peer} does not scatter bounce chunks as this daemon cuts them (an older kvd)"
+            log.warning("transfer.bounce_fallback", peer=self.peer, reason=reason, fragments=p.num_fragments())
+            self.feed(f.PathChosen(f.Role.CTX, f.Path.FRAGMENT))
+            return await fragment.send(job)
+        gpu = staging.send.device >= 0  # a pipeline of chunks pays off on GPUs, not on a few cores
+        self.bounce_chunk = bounce.chunk_size(p, min(staging.send.slot_bytes, link.slot_bytes),
+                                              bounce.PIPELINE_CHUNKS if gpu else 1)
+        chunks = bounce.chunks(p, self.bounce_chunk)
+        self.feed(f.PathChosen(f.Role.CTX, f.Path.BOUNCE))  # its path message names bounce_chunk
+        self.sides[f.Role.CTX].chunks_total = len(chunks)
         first: int | None = None
         if self._grants_rx.statistics().current_buffer_used == 0:
             self.round_trips += 1  # path out, first grant back (none came with the destination)
@@ -681,13 +719,10 @@ class Transfer:
             log.warning("transfer.bounce_fallback", peer=self.peer, reason=reason, fragments=p.num_fragments())
             self.feed(f.PathChosen(f.Role.CTX, f.Path.FRAGMENT))
             return await fragment.send(job)
-        staging = self.env.staging()
-        if staging is None:
-            raise PeerUnavailable("this daemon has no staging for the bounce path")
         job.grants = self._grants_rx.receive
         job.staging, job.slot_pool = staging.send, staging.send_slots
         job.remote_region, job.remote_slot_bytes = link.bounce, link.slot_bytes
-        return await bounce.send(job, bp, first)
+        return await bounce.send(job, chunks, self.bounce_chunk, first)
 
     # -- data path: gen -------------------------------------------------------------------------------
     def _start_receive(self, path: f.Path) -> None:
@@ -716,16 +751,21 @@ class Transfer:
             if staging is None or links is None or self.peer not in links.links:
                 raise PeerUnavailable("no receive staging or no link for the bounce path")
             link = links.links[self.peer]
-            bp: BouncePlan = bounce_chunks(p, staging.recv.slot_bytes)
-            side.chunks_total = len(bp.chunks)
+            chunk = self.remote.chunk_bytes
+            if chunk < 1:
+                raise RemoteProtocolError(f"peer {self.peer} names no bounce chunk size (an older kvd, which "
+                                          "lays bounce chunks out otherwise): upgrade it")
+            if chunk > staging.recv.slot_bytes:
+                raise RemoteProtocolError(f"peer {self.peer} cuts {chunk}-byte bounce chunks; this daemon's "
+                                          f"receive slots hold {staging.recv.slot_bytes} bytes")
+            chunks = bounce.chunks(p, chunk)
+            side.chunks_total = len(chunks)
             rid = self.request_id
-
-            async def grant(slot: int) -> None:
-                await link.send(x.XferGrant(request_id=rid, slot=slot))
-
+            credits = bounce.Credits(rid, self.env.nixl(), link.agent, link.send,
+                                     by_notif=self.remote.credits == x.CREDITS_NOTIF, stages=side.stages)
             progress = _ScatterProgress(self, side)
-            receiver = bounce.Receiver(rid, self.slot_owner, bp, {r: part.pool for r, part in side.parts.items()},
-                                       staging.recv, staging.recv_slots, progress, grant, granted=self.pregranted,
+            receiver = bounce.Receiver(rid, self.slot_owner, p, chunks, {r: part.pool for r, part in side.parts.items()},
+                                       staging.recv, staging.recv_slots, progress, credits, granted=self.pregranted,
                                        withhold=not self.env.cfg.grant_credits)
             if receiver.withhold:
                 log.warning("transfer.credits_withheld", reason="transfer.grant_credits = false")

@@ -57,7 +57,10 @@ Other traps handled here: ``register_memory`` wants 4-tuples ``(addr, len, dev, 
 notification dicts are keyed by **str** (:meth:`NixlAgent.add_remote` returns ``str``); host
 memory uses device id 0 inside NIXL (kvd's :class:`Region` says -1); ``make_prepped_xfer``
 merges adjacent descriptors (16,384 contiguous 16 KiB descriptors become one: 5.9 GB/s) while
-``initialize_xfer`` does not (4.0 GB/s); :meth:`NixlAgent.get_agent_metadata` is a snapshot
+``initialize_xfer`` does not (4.0 GB/s), and a write made from prepared lists skips NIXL's
+per-write descriptor validation (:meth:`NixlAgent.slot_descs` keeps such lists for the slots of
+a staging region, per write length, until the remote agent is removed);
+:meth:`NixlAgent.get_agent_metadata` is a snapshot
 — after new registrations the remote side must :meth:`NixlAgent.add_remote` the fresh
 metadata again (re-adding a known agent updates it). Metadata is exchanged over kvd's own peer
 link; NIXL's listener thread (which binds 0.0.0.0) is never enabled.
@@ -76,6 +79,7 @@ import os
 import sys
 import time
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
@@ -279,6 +283,8 @@ def _nixl_error(op: str, exc: BaseException, hint: str = "") -> NixlError:
 
 
 _SMALL_LIST = 16
+#: Prepared slot descriptor lists :meth:`NixlAgent.slot_descs` keeps per agent (one per write length).
+SLOT_DESCS_KEPT = 32
 
 
 def _desc_array(descs: Descs, device: int) -> npt.NDArray[np.uint64]:
@@ -341,6 +347,8 @@ class NixlAgent:
         self._remotes: set[str] = set()
         self._regs: list[RegHandle] = []
         self._unreleased: list[XferHandle] = []
+        # slot descriptor lists prepared by slot_descs(): remote agent ("" = local) -> LRU by key
+        self._slot_descs: dict[str, OrderedDict[tuple[int, int, int, int, str, int], PreppedDescs]] = {}
         self._closed = False
         config = api.nixl_agent_config(
             enable_prog_thread=progress_thread,
@@ -440,7 +448,9 @@ class NixlAgent:
         return name
 
     def remove_remote(self, name: str) -> None:
-        """Forget a remote agent (disconnects from it). Unknown names are ignored."""
+        """Forget a remote agent (disconnects from it) and release the descriptor lists
+        :meth:`slot_descs` prepared for it. Unknown names are ignored."""
+        self._release_slot_descs(name)
         if name not in self._remotes:
             return
         self._remotes.discard(name)
@@ -590,6 +600,29 @@ class NixlAgent:
         )
         if post_in_thread is None:
             post_in_thread = local_mem == "DRAM"
+        await self._post_and_wait(handle, post_in_thread, poll)
+        return handle
+
+    async def write_prepped_async(
+        self,
+        local: PreppedDescs,
+        local_indices: Sequence[int] | npt.NDArray[np.integer[Any]],
+        remote: PreppedDescs,
+        remote_indices: Sequence[int] | npt.NDArray[np.integer[Any]],
+        notif: bytes = b"",
+        *,
+        post_in_thread: bool | None = None,
+        poll: float = 0.001,
+    ) -> XferHandle:
+        """:meth:`write_prepped`, posted and waited for as :meth:`write_async` does
+        (``post_in_thread`` defaults to whether the local list is host memory)."""
+        handle = self.write_prepped(local, local_indices, remote, remote_indices, notif, post=False)
+        if post_in_thread is None:
+            post_in_thread = local.mem == "DRAM"
+        await self._post_and_wait(handle, post_in_thread, poll)
+        return handle
+
+    async def _post_and_wait(self, handle: XferHandle, post_in_thread: bool, poll: float) -> None:
         try:
             if post_in_thread:
                 self._busy += 1
@@ -603,7 +636,6 @@ class NixlAgent:
             self._release_quietly(handle)
             raise
         await self.wait(handle, poll=poll)
-        return handle
 
     def prep_local(self, descs: Descs, *, mem: MemType = "DRAM", device: int = -1) -> PreppedDescs:
         """Prepare local descriptors once for many :meth:`write_prepped` calls."""
@@ -646,27 +678,45 @@ class NixlAgent:
         self._check_open()
         if local.agent or not remote.agent:
             raise BadRequest("write_prepped takes a prep_local list then a prep_remote list")
-        li = np.asarray(local_indices, dtype=np.int32)
-        ri = np.asarray(remote_indices, dtype=np.int32)
-        if li.shape != ri.shape or li.ndim != 1 or li.size == 0:
-            raise BadRequest(
-                f"index lists must be 1-D, non-empty and of equal length ({li.shape} vs {ri.shape})"
-            )
-        try:
-            lens = local.lengths[li]
-            if not np.array_equal(lens, remote.lengths[ri]):
+        li: Any
+        ri: Any
+        if (
+            not isinstance(local_indices, np.ndarray)
+            and not isinstance(remote_indices, np.ndarray)
+            and 0 < len(local_indices) == len(remote_indices) <= _SMALL_LIST
+        ):
+            # a few indices (a bounce chunk: one): Python lists, ~8 µs cheaper than numpy here
+            li, ri = [int(i) for i in local_indices], [int(i) for i in remote_indices]
+            count = len(li)
+            nl, nr = len(local), len(remote)
+            if any(not 0 <= i < nl for i in li) or any(not 0 <= i < nr for i in ri):
+                raise BadRequest(f"descriptor index out of range ({nl} local, {nr} remote)")
+            lens = [int(local.lengths[i]) for i in li]
+            if lens != [int(remote.lengths[i]) for i in ri]:
                 raise BadRequest("local and remote descriptors must have equal lengths, pairwise")
-        except IndexError:
-            raise BadRequest(
-                f"descriptor index out of range ({len(local)} local, {len(remote)} remote)"
-            ) from None
-        nbytes = int(lens.sum())
-        op = f"create WRITE of {nbytes} bytes in {li.size} prepared descriptors to agent {remote.agent!r}"
+            nbytes = sum(lens)
+        else:
+            li = np.asarray(local_indices, dtype=np.int32)
+            ri = np.asarray(remote_indices, dtype=np.int32)
+            if li.shape != ri.shape or li.ndim != 1 or li.size == 0:
+                raise BadRequest(
+                    f"index lists must be 1-D, non-empty and of equal length ({li.shape} vs {ri.shape})"
+                )
+            try:
+                lens_np = local.lengths[li]
+                if not np.array_equal(lens_np, remote.lengths[ri]):
+                    raise BadRequest("local and remote descriptors must have equal lengths, pairwise")
+            except IndexError:
+                raise BadRequest(
+                    f"descriptor index out of range ({len(local)} local, {len(remote)} remote)"
+                ) from None
+            count, nbytes = int(li.size), int(lens_np.sum())
         try:
             h = self._agent.make_prepped_xfer("WRITE", local._handle, li, remote._handle, ri, notif)
         except Exception as exc:
+            op = f"create WRITE of {nbytes} bytes in {count} prepared descriptors to agent {remote.agent!r}"
             raise _nixl_error(op, exc) from exc
-        handle = XferHandle(remote.agent, nbytes, int(li.size), bytes(notif), h)
+        handle = XferHandle(remote.agent, nbytes, count, bytes(notif), h)
         if post:
             self.post(handle)
         return handle
@@ -683,6 +733,57 @@ class NixlAgent:
             handle.release()
         except Exception as exc:
             raise _nixl_error("release prepared descriptor list", exc) from exc
+
+    def slot_descs(
+        self,
+        remote_agent: str,
+        addr: int,
+        slot_bytes: int,
+        slots: int,
+        nbytes: int,
+        *,
+        mem: MemType = "DRAM",
+        device: int = -1,
+    ) -> PreppedDescs:
+        """The prepared descriptor list ``[addr + i * slot_bytes, + nbytes)`` for ``i`` in
+        ``range(slots)``: the slots of a staging region, of this agent (``remote_agent=""``)
+        or of ``remote_agent``, for writes of ``nbytes`` (descriptor ``i`` is slot ``i``).
+
+        Prepared on first use and kept (the last :data:`SLOT_DESCS_KEPT` lengths per agent;
+        the oldest is released beyond that), so a write is one ``make_prepped_xfer`` and a
+        post. :meth:`remove_remote` releases a remote agent's lists (a link that went away),
+        :meth:`close` all of them. A write made from a list may outlive the list: NIXL copies
+        the picked descriptors into the transfer."""
+        if not 0 < nbytes <= slot_bytes or slots < 1:
+            raise BadRequest(f"slot descriptors need 0 < nbytes <= slot_bytes and slots >= 1 "
+                             f"(nbytes={nbytes}, slot_bytes={slot_bytes}, slots={slots})")
+        key = (addr, slot_bytes, slots, nbytes, mem, device)
+        lists = self._slot_descs.setdefault(remote_agent, OrderedDict())
+        found = lists.get(key)
+        if found is not None and not found.released:
+            lists.move_to_end(key)
+            return found
+        base = np.arange(slots, dtype=np.uint64) * np.uint64(slot_bytes) + np.uint64(addr)
+        descs = np.stack([base, np.full(slots, nbytes, dtype=np.uint64)], axis=1)
+        if remote_agent:
+            prepped = self.prep_remote(remote_agent, descs, mem=mem, device=device)
+        else:
+            prepped = self.prep_local(descs, mem=mem, device=device)
+        lists[key] = prepped
+        while len(lists) > SLOT_DESCS_KEPT:
+            _, old = lists.popitem(last=False)
+            with suppress(NixlError):
+                self.release_prepped(old)
+        return prepped
+
+    def slot_descs_held(self, remote_agent: str) -> int:
+        """How many :meth:`slot_descs` lists are held for ``remote_agent`` ("" = local)."""
+        return sum(not p.released for p in self._slot_descs.get(remote_agent, {}).values())
+
+    def _release_slot_descs(self, remote_agent: str) -> None:
+        for prepped in self._slot_descs.pop(remote_agent, {}).values():
+            with suppress(NixlError):
+                self.release_prepped(prepped)
 
     def state(self, handle: XferHandle) -> XferState:
         """The transfer's state, "DONE" or "PROC"; NIXL's "ERR" (or an exception) raises :class:`NixlError`."""
@@ -825,6 +926,8 @@ class NixlAgent:
         for h in list(self._unreleased):
             with suppress(NixlError):
                 self.release(h)
+        for agent in list(self._slot_descs):
+            self._release_slot_descs(agent)
         for name in list(self._remotes):
             with suppress(NixlError):
                 self.remove_remote(name)
