@@ -129,11 +129,21 @@ class Client:
     def pools(self) -> list[m.PoolInfo]:
         return self._call(m.ListPools(id=self._id()), m.PoolsReply).pools
 
-    def sessions(self) -> list[m.SessionInfo]:
-        return self._call(m.ListSessions(id=self._id()), m.SessionsReply).sessions
+    def sessions(self, offset: int = 0, limit: int = 0) -> list[m.SessionInfo]:
+        """Sessions ``offset`` .. ``offset + limit`` (``limit`` 0: to the end, in one reply)."""
+        return self.sessions_page(offset, limit).sessions
 
-    def transfers(self) -> list[m.TransferInfo]:
-        return self._call(m.ListTransfers(id=self._id()), m.TransfersReply).transfers
+    def sessions_page(self, offset: int = 0, limit: int = 0) -> m.SessionsReply:
+        """One page of sessions with ``total`` (how many there are): page on with ``offset``."""
+        return self._call(m.ListSessions(id=self._id(), offset=offset, limit=limit), m.SessionsReply)
+
+    def transfers(self, offset: int = 0, limit: int = 0) -> list[m.TransferInfo]:
+        """Transfers ``offset`` .. ``offset + limit`` (``limit`` 0: to the end, in one reply)."""
+        return self.transfers_page(offset, limit).transfers
+
+    def transfers_page(self, offset: int = 0, limit: int = 0) -> m.TransfersReply:
+        """One page of transfers with ``total`` (how many there are): page on with ``offset``."""
+        return self._call(m.ListTransfers(id=self._id(), offset=offset, limit=limit), m.TransfersReply)
 
     def peers(self) -> list[m.PeerInfo]:
         """Peer daemons: live links and configured peers not connected."""

@@ -146,11 +146,21 @@ class AsyncClient:
     async def pools(self) -> list[m.PoolInfo]:
         return (await self._call(m.ListPools(id=self._id()), m.PoolsReply)).pools
 
-    async def sessions(self) -> list[m.SessionInfo]:
-        return (await self._call(m.ListSessions(id=self._id()), m.SessionsReply)).sessions
+    async def sessions(self, offset: int = 0, limit: int = 0) -> list[m.SessionInfo]:
+        """Sessions ``offset`` .. ``offset + limit`` (``limit`` 0: to the end, in one reply)."""
+        return (await self.sessions_page(offset, limit)).sessions
 
-    async def transfers(self) -> list[m.TransferInfo]:
-        return (await self._call(m.ListTransfers(id=self._id()), m.TransfersReply)).transfers
+    async def sessions_page(self, offset: int = 0, limit: int = 0) -> m.SessionsReply:
+        """One page of sessions with ``total`` (how many there are): page on with ``offset``."""
+        return await self._call(m.ListSessions(id=self._id(), offset=offset, limit=limit), m.SessionsReply)
+
+    async def transfers(self, offset: int = 0, limit: int = 0) -> list[m.TransferInfo]:
+        """Transfers ``offset`` .. ``offset + limit`` (``limit`` 0: to the end, in one reply)."""
+        return (await self.transfers_page(offset, limit)).transfers
+
+    async def transfers_page(self, offset: int = 0, limit: int = 0) -> m.TransfersReply:
+        """One page of transfers with ``total`` (how many there are): page on with ``offset``."""
+        return await self._call(m.ListTransfers(id=self._id(), offset=offset, limit=limit), m.TransfersReply)
 
     async def peers(self) -> list[m.PeerInfo]:
         """Peer daemons: live links and configured peers not connected."""

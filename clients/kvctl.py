@@ -2,7 +2,9 @@
 
 Commands: ``status``, ``stats``, ``ping``, ``pools``, ``sessions``, ``transfers``
 (``--watch`` for live progress; finished transfers stay listed with their outcome),
-``peers``, ``drain``, ``config``. Tables for people (rich) on a terminal; when stdout is not
+``peers``, ``drain``, ``config``. The daemon answers the two lists a page at a time;
+``sessions`` and ``transfers`` follow the pages to the end (``--offset``/``--limit`` pick a
+window, ``--page-size`` the entries per request), so nothing is cut silently. Tables for people (rich) on a terminal; when stdout is not
 a terminal (a pipe, a file, ``watch``), plain space-aligned columns that are never cut;
 ``--json`` for scripts. Exit codes: 0 ok, 1 the daemon answered with an error,
 2 usage error, 3 cannot reach the daemon.
@@ -14,7 +16,8 @@ import argparse
 import os
 import sys
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -24,6 +27,39 @@ from protocol import messages as m
 from protocol.errors import ConnectionClosed, KvdError
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
+#: Entries asked for per request when following the pages of a list (one frame holds them).
+DEFAULT_PAGE_SIZE = 256
+_T = TypeVar("_T")
+
+
+def fetch_pages(fetch: Callable[[int, int], tuple[list[_T], int]], *, offset: int = 0, limit: int = 0,
+                page_size: int = DEFAULT_PAGE_SIZE) -> tuple[list[_T], int]:
+    """Entries ``offset`` .. ``offset + limit`` of a paged list (``limit`` 0: to the end),
+    asking ``page_size`` at a time; returns them and the list's total.
+
+    ``fetch(offset, limit)`` returns one page and the total. The list may change between two
+    pages (a session ends, a transfer finishes): the pages are followed until one comes back
+    empty or the total (as the latest page says) is reached, never further.
+    """
+    if offset < 0 or limit < 0 or page_size < 1:
+        raise ValueError("need offset >= 0, limit >= 0 and page_size >= 1")
+    got: list[_T] = []
+    total = 0
+    at = offset
+    while True:
+        want = page_size if not limit else min(page_size, limit - len(got))
+        page, total = fetch(at, want)
+        got.extend(page)
+        at += len(page)
+        if not page or at >= total or (limit and len(got) >= limit):
+            return got, total
+
+
+def _window_title(name: str, shown: int, total: int, offset: int) -> str:
+    """``sessions`` when all are shown; ``sessions 3-4 of 9`` for a window."""
+    if offset == 0 and shown == total:
+        return name
+    return f"{name} {offset + 1}-{offset + shown} of {total}" if shown else f"{name}: none at offset {offset} ({total} in all)"
 
 
 def _gb(n: int) -> str:
@@ -87,12 +123,12 @@ def _transfer_rows(transfers: list[m.TransferInfo]) -> list[list[Any]]:
     return rows
 
 
-PEER_COLUMNS = ["peer", "state", "direction", "remote", "last heard", "transfers", "mapped", "error"]
+PEER_COLUMNS = ["peer", "state", "direction", "remote", "last heard", "retries", "transfers", "mapped", "error"]
 
 
 def _peer_rows(peers: list[m.PeerInfo]) -> list[list[Any]]:
     return [[p.node, p.state, p.direction, p.remote or "-",
-             f"{p.last_heard_s:.1f}s ago" if p.last_heard_s >= 0 else "never", p.transfers_active,
+             f"{p.last_heard_s:.1f}s ago" if p.last_heard_s >= 0 else "never", p.attempts, p.transfers_active,
              "yes" if p.mapped else "no", p.error] for p in peers]
 
 
@@ -108,8 +144,9 @@ def _transfers(kvd: Client, args: argparse.Namespace) -> None:
     shown = 0
     try:
         while True:
-            ts = kvd.transfers()
-            title = f"transfers at {time.strftime('%H:%M:%S')}" if watching else "transfers"
+            ts, total = _list_transfers(kvd, args)
+            title = _window_title("transfers", len(ts), total, args.offset)
+            title = f"{title} at {time.strftime('%H:%M:%S')}" if watching else title
             if redraw:
                 console.clear()
             _out(args, ts, lambda ts=ts, title=title: _print_table(title, TRANSFER_COLUMNS, _transfer_rows(ts)))
@@ -122,6 +159,22 @@ def _transfers(kvd: Client, args: argparse.Namespace) -> None:
         if not watching:
             raise
         # Ctrl-C is how a watch ends: not an error
+
+
+def _list_transfers(kvd: Client, args: argparse.Namespace) -> tuple[list[m.TransferInfo], int]:
+    def page(offset: int, limit: int) -> tuple[list[m.TransferInfo], int]:
+        reply = kvd.transfers_page(offset, limit)
+        return reply.transfers, reply.total
+
+    return fetch_pages(page, offset=args.offset, limit=args.limit, page_size=args.page_size)
+
+
+def _list_sessions(kvd: Client, args: argparse.Namespace) -> tuple[list[m.SessionInfo], int]:
+    def page(offset: int, limit: int) -> tuple[list[m.SessionInfo], int]:
+        reply = kvd.sessions_page(offset, limit)
+        return reply.sessions, reply.total
+
+    return fetch_pages(page, offset=args.offset, limit=args.limit, page_size=args.page_size)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -141,6 +194,9 @@ def run(args: argparse.Namespace) -> int:
                 print(f"transfers: {st.transfers_active} active, {st.transfers_done} done, {st.transfers_failed} failed; "
                       f"sent {_gb(st.bytes_sent)}, received {_gb(st.bytes_received)}")
                 print(f"bounce chunks in use {st.bounce_chunks_in_use}/{st.bounce_chunks_total}")
+                if not st.pools:
+                    print("no pools configured: executors can allocate no blocks and register no requests "
+                          "(add a [[pools]] table to the configuration)")
                 if cmd == "status":
                     _print_table("pools", POOL_COLUMNS, _pools_rows(st.pools))
             _out(args, st, human)
@@ -148,8 +204,9 @@ def run(args: argparse.Namespace) -> int:
             pools = kvd.pools()
             _out(args, pools, lambda: _print_table("pools", POOL_COLUMNS, _pools_rows(pools)))
         elif cmd == "sessions":
-            ss = kvd.sessions()
-            _out(args, ss, lambda: _print_table("sessions", ["id", "client", "pid", "uid", "blocks", "requests", "age"],
+            ss, total = _list_sessions(kvd, args)
+            title = _window_title("sessions", len(ss), total, args.offset)
+            _out(args, ss, lambda: _print_table(title, ["id", "client", "pid", "uid", "blocks", "requests", "age"],
                                                [[s.session_id, s.client, s.pid, s.uid, s.blocks_leased, s.requests,
                                                  f"{s.connected_s:.0f}s"] for s in ss]))
         elif cmd == "transfers":
@@ -220,6 +277,25 @@ def _positive(text: str) -> float:
     return value
 
 
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
+
+
+def _paging_options(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument("--offset", type=_non_negative, default=0, metavar="N",
+                        help=f"skip the first N {what} (default 0)")
+    parser.add_argument("--limit", type=_non_negative, default=0, metavar="N",
+                        help=f"show at most N {what} (default 0: all of them; the pages are followed to the end)")
+    parser.add_argument("--page-size", type=_count, default=DEFAULT_PAGE_SIZE, metavar="N",
+                        help=f"{what} asked of the daemon per request (default {DEFAULT_PAGE_SIZE})")
+
+
 def _count(text: str) -> int:
     try:
         value = int(text)
@@ -230,8 +306,8 @@ def _count(text: str) -> int:
     return value
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``kvctl`` console script."""
+def build_parser() -> argparse.ArgumentParser:
+    """The ``kvctl`` command line."""
     parser = argparse.ArgumentParser(
         prog="kvctl",
         description="inspect and control a running kvd",
@@ -253,16 +329,30 @@ def main(argv: list[str] | None = None) -> int:
         "config": "the daemon's effective configuration",
     }
     for name, text in helps.items():
-        if name != "ping":
+        if name not in ("ping", "sessions"):
             sub.add_parser(name, parents=[common], help=text, description=text)
+    p_sessions = sub.add_parser(
+        "sessions", parents=[common], help=helps["sessions"],
+        description="connected executors; all of them unless --offset/--limit pick a window (the daemon's "
+                    "pages are followed to the end)")
+    _paging_options(p_sessions, "sessions")
     p_ping = sub.add_parser("ping", parents=[common], help=helps["ping"], description=helps["ping"])
     p_ping.add_argument("--wait", type=_positive, metavar="SECONDS",
                         help="retry until the daemon answers or SECONDS pass (scripts that start kvd)")
     p_tr = sub.add_parser("transfers", parents=[common], help="transfers in progress and recently finished",
-                          description="transfers in progress and recently finished, with their progress")
+                          description="transfers in progress and recently finished, with their progress; all of "
+                                      "them unless --offset/--limit pick a window (the daemon's pages are "
+                                      "followed to the end)")
+    _paging_options(p_tr, "transfers")
     p_tr.add_argument("--watch", "-w", action="store_true", help="refresh until interrupted (Ctrl-C)")
     p_tr.add_argument("--interval", "-n", type=_positive, default=1.0, help="seconds between refreshes (default 1)")
     p_tr.add_argument("--count", "-c", type=_count, default=0, help="stop after this many refreshes (implies --watch)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``kvctl`` console script."""
+    parser = build_parser()
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:

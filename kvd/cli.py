@@ -95,29 +95,40 @@ def _report(error: StartupError, *, stage: str, cause: BaseException | None = No
     return error.exit_code
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``kvd`` console script."""
+#: The benchmarks of ``kvd bench`` and what each measures.
+BENCHES = {
+    "ipc": "executor <-> daemon round trips over the Unix socket",
+    "regroup": "the regroup copies (gather/scatter, box copies) [--device cuda]",
+    "transfer": "two daemons end to end against raw NIXL [--device cuda] [--json]; "
+                "[--layout --ctx-gpus --gen-gpus --concurrent]: N-GPU layouts, requests in flight together",
+}
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+    """The ``kvd`` parser and its ``bench`` subparser. ``kvd demo`` and ``kvd bench NAME`` hand
+    the rest of the command line to their own parsers (``build_parser`` of those modules)."""
     parser = argparse.ArgumentParser(prog="kvd", description="KV-cache transfer daemon")
     sub = parser.add_subparsers(dest="command", required=True)
-    p_serve = sub.add_parser("serve", help="run the daemon")
-    p_serve.add_argument("--config", "-c", default=os.environ.get("KVD_CONFIG"), help="TOML configuration file")
+    p_serve = sub.add_parser("serve", help="run the daemon", description="run the daemon until SIGTERM or a drain")
+    p_serve.add_argument("--config", "-c", default=os.environ.get("KVD_CONFIG"),
+                         help="TOML configuration file (default $KVD_CONFIG; without one, the built-in defaults)")
     sub.add_parser("demo", add_help=False,
                    help="two daemons, a regrouped TP1 -> TP4 transfer over NIXL, verified; "
                         "--model: a small transformer's prefill -> decode through kvd, token-identical")
-    benches = {
-        "ipc": "executor <-> daemon round trips over the Unix socket",
-        "regroup": "the regroup copies (gather/scatter, box copies) [--device cuda]",
-        "transfer": "two daemons end to end against raw NIXL [--device cuda] [--json]; "
-                    "[--layout --ctx-gpus --gen-gpus --concurrent]: N-GPU layouts, requests in flight together",
-    }
-    bench_help = "\n".join(f"  {name:<10}{text}" for name, text in benches.items())
+    bench_help = "\n".join(f"  {name:<10}{text}" for name, text in BENCHES.items())
     p_bench = sub.add_parser(
         "bench", help="benchmarks that print figures", add_help=False, usage="kvd bench {ipc,regroup,transfer} [options]",
-        description=f"benchmarks that print figures:\n{bench_help}\n\n`kvd bench NAME --help` lists NAME's options.",
+        description=f"benchmarks that print figures:\n{bench_help}\n\nkvd bench NAME --help lists NAME's options.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     # add_help=False: `kvd bench transfer --help` must reach the benchmark's own parser
-    p_bench.add_argument("what", nargs="?", choices=list(benches), help=argparse.SUPPRESS)
+    p_bench.add_argument("what", nargs="?", choices=list(BENCHES), help="the benchmark to run")
+    return parser, p_bench
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``kvd`` console script."""
+    parser, p_bench = build_parser()
     args, rest = parser.parse_known_args(argv)
     if args.command == "bench" and args.what is None:
         if rest in (["-h"], ["--help"]):

@@ -101,6 +101,10 @@ class TransferConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
     nixl_progress_thread: bool = False  # off is faster on small hosts (measured on 2 cores)
     heartbeat_interval_s: float = 2.0  # peer-link heartbeat period
     heartbeat_timeout_s: float = 10.0  # silence after which a peer is declared gone
+    # A configured peer that refuses the handshake (wrong secret, another version) is retried
+    # after reconnect_initial_s, doubling up to reconnect_max_s; back to the start once linked.
+    reconnect_initial_s: float = 1.0
+    reconnect_max_s: float = 30.0
     # Fault injection for tests and drills: a receiver that never grants bounce credit
     # (senders then fall back to per-fragment writes after bounce_wait_s, or time out).
     grant_credits: bool = True

@@ -94,6 +94,13 @@ def check_config(config: Config) -> None:
     _check_seconds("[transfer] bounce_wait_s", t.bounce_wait_s, positive=False)
     _check_seconds("[transfer] heartbeat_interval_s", t.heartbeat_interval_s, positive=True)
     _check_seconds("[transfer] heartbeat_timeout_s", t.heartbeat_timeout_s, positive=True)
+    _check_seconds("[transfer] reconnect_initial_s", t.reconnect_initial_s, positive=True)
+    _check_seconds("[transfer] reconnect_max_s", t.reconnect_max_s, positive=True)
+    if t.reconnect_max_s < t.reconnect_initial_s:
+        raise BadRequest(
+            f"invalid configuration: [transfer] reconnect_max_s ({t.reconnect_max_s:g}) is below "
+            f"reconnect_initial_s ({t.reconnect_initial_s:g})"
+        )
 
 
 def _page(items: list[_T], offset: int, limit: int) -> list[_T]:
@@ -134,6 +141,7 @@ class Daemon:
         self.counters = Counters()
         self.started = time.monotonic()
         self.draining = False
+        self.stop_reason = ""  # why the drain began (the first request_stop's reason)
         self.stop_requested = trio.Event()
         self.engine: Engine | None = None
         self.history = TransferHistory()
@@ -314,6 +322,7 @@ class Daemon:
         """Begin a graceful drain (SIGTERM, SIGINT or a client's Drain)."""
         if not self.draining:
             log.info("daemon.draining", reason=reason, by_session=session.id if session else None)
+            self.stop_reason = reason
         self.draining = True
         self.stop_requested.set()
 

@@ -35,9 +35,10 @@ from kvd.ops.accept import accept_loop
 from kvd.ops.metrics import Metrics, serve_metrics
 from kvd.ops.notify import Notifier, run_watchdog
 from kvd.startup import EX_CONFIG, StartupError
+from kvd.transfer.stopping import QuietSides, live_roles
 from protocol import messages as m
 from protocol.codec import encode
-from protocol.errors import BadRequest, KvdError, LimitExceeded
+from protocol.errors import BadRequest, DaemonStopping, KvdError, LimitExceeded
 
 if TYPE_CHECKING:
     from kvd.pool import Pool
@@ -103,19 +104,45 @@ async def _open_socket(config: Config) -> UnixListener:
         ) from None
 #: How often the drain refreshes its ``STATUS=`` line (what it still waits for).
 DRAIN_STATUS_S = 1.0
+#: A request that waits for the peer daemon's answer fails in a drain once it waited this long
+#: in the same state (the answer may be on its way); one nothing can complete fails at once.
+DRAIN_QUIET_S = 1.0
+#: After the drain's deadline: how long the transfers then failed get to confirm that their
+#: writes stopped (the no-write-after-failure rule) before what is left is cancelled.
+DRAIN_ABORT_GRACE_S = 5.0
 #: After the transfers: how long pending Waits may take to deliver their completions.
 DRAIN_REPLY_GRACE_S = 1.0
 DRAIN_REPLY_POLL_S = 0.01
+
+
+def _stopping(daemon: Daemon, why: str) -> DaemonStopping:
+    return DaemonStopping(f"kvd on node {daemon.config.node!r} is stopping ({daemon.stop_reason or 'drain'}) {why}")
+
+
+def _fail_waiting(daemon: Daemon, engine: Engine, quiet: QuietSides) -> None:
+    """Requests whose other side never came cannot complete while we stop: fail them (now, or
+    once the peer stayed silent for ``DRAIN_QUIET_S``), so their executors' waits get
+    ``daemon_stopping`` instead of a closed connection later."""
+    exc = _stopping(daemon, "and the request's other side never came, so it cannot complete; "
+                            "register it again with a running daemon")
+    failed = engine.stop_requests(exc, lambda key, machine: quiet.due(key, machine, trio.current_time()))
+    if failed:
+        log.info("daemon.drain_unmatched", requests=len(failed), request_ids=failed[:16])
 
 
 async def _drain(daemon: Daemon, engine: Engine, notifier: Notifier) -> None:
     """Let in-flight transfers finish, up to ``drain_timeout_s``; say what we wait for.
 
     New work (Alloc, Expect, Publish) is already refused (``Draining``); sessions stay
-    connected so executors can collect their completions, and ``kvctl`` can watch.
+    connected so executors can collect their completions, and ``kvctl`` can watch. Requests
+    that wait for their other side fail at once (``daemon_stopping``: no executor may register
+    any more); so do, at the deadline, the transfers still running. Every completion is sent
+    before the sessions close.
     """
     timeout = daemon.config.drain_timeout_s
     deadline = trio.current_time() + timeout
+    quiet = QuietSides(DRAIN_QUIET_S)
+    _fail_waiting(daemon, engine, quiet)
     notifier.status(f"draining: {len(engine.inflight())} transfer(s) in flight, new work refused")
     with trio.move_on_at(deadline):
         while inflight := engine.inflight():
@@ -124,12 +151,8 @@ async def _drain(daemon: Daemon, engine: Engine, notifier: Notifier) -> None:
             notifier.status(f"draining: waiting for {len(inflight)} transfer(s) ({shown}), at most {left:.0f} s more")
             with trio.move_on_after(DRAIN_STATUS_S):
                 await engine.wait_idle()
+            _fail_waiting(daemon, engine, quiet)  # the quiet ones; a peer's offer that came meanwhile
     left_over = engine.inflight()
-    # Executors blocked in Wait get their completions before the sessions close (bounded: a
-    # Wait for a request that never started does not hold the stop beyond the grace).
-    with trio.move_on_at(min(deadline, trio.current_time() + DRAIN_REPLY_GRACE_S)):
-        while any(s.inflight for s in daemon.sessions.values()):
-            await trio.sleep(DRAIN_REPLY_POLL_S)
     if left_over:
         log.warning(
             "daemon.drain_timeout",
@@ -137,6 +160,16 @@ async def _drain(daemon: Daemon, engine: Engine, notifier: Notifier) -> None:
             transfers_cancelled=len(left_over),
             request_ids=left_over[:16],
         )
+        engine.stop_requests(_stopping(daemon, f"and drain_timeout_s={timeout:g} passed before the transfer finished"),
+                             lambda _key, machine: live_roles(machine))
+        with trio.move_on_after(DRAIN_ABORT_GRACE_S):
+            await engine.wait_idle()
+        left_over = engine.inflight()
+    # Executors blocked in Wait get their completions before the sessions close (every side
+    # here has reported by now; bounded all the same: a slow reader does not hold the stop).
+    with trio.move_on_after(DRAIN_REPLY_GRACE_S):
+        while any(s.inflight for s in daemon.sessions.values()):
+            await trio.sleep(DRAIN_REPLY_POLL_S)
     notifier.status(f"stopping: {len(left_over)} transfer(s) cancelled" if left_over else "stopping: drained")
     log.info("daemon.stopping", transfers_active=len(left_over))
 
@@ -190,6 +223,7 @@ async def serve(
     notifier = Notifier(env)
     listener = await _open_socket(config)
     pools: dict[str, Pool] = {}
+    ready = stopped = False
     try:
         notifier.status("starting: creating pools")
         pools = await trio.to_thread.run_sync(partial(create_pools, config.pools, env))
@@ -220,6 +254,11 @@ async def serve(
                 )
             )
             pool_kinds = {name: p.kind for name, p in pools.items()}
+            if not pools:
+                # legal (a daemon that only relays, or a configuration still being written) but
+                # almost always a mistake: every Alloc, Expect and Publish will be refused
+                log.warning("daemon.no_pools", reason="the configuration has no [[pools]]: executors can "
+                            "allocate no blocks and register no requests; add a [[pools]] table")
             # Everything made so far (torch, NIXL, the pools) lives as long as the daemon: keep
             # it out of the collector's generations, so no collection walks it again (with torch
             # loaded a full collection walked ~1e6 objects in the middle of a transfer).
@@ -234,14 +273,20 @@ async def serve(
             )
             notifier.ready(f"serving {len(pools)} pool(s) on {config.socket_path}; peer port {engine.peer_port}")
             task_status.started(daemon)
+            ready = True
 
             await daemon.stop_requested.wait()
             notifier.stopping()
             await _drain(daemon, engine, notifier)
             root.cancel_scope.cancel()
+        stopped = True
     finally:
         with trio.CancelScope(shield=True):
             await listener.aclose()
             for pool in pools.values():
                 pool.close()
-            log.info("daemon.stopped")
+            # only a daemon that was ready and stopped cleanly says so: a failed start (or a
+            # failure while running) ends with its daemon.startup_failed (daemon.failed) line,
+            # which the caller logs after this cleanup; "stopped" before it would read as the cause
+            if ready and stopped:
+                log.info("daemon.stopped")

@@ -183,6 +183,13 @@ class UnknownPeer(PeerUnavailable):
     code = "unknown_peer"
 
 
+class DaemonStopping(TransferError):
+    """The daemon is stopping (SIGTERM, drain) and the request could not finish: its other side
+    never came, or ``drain_timeout_s`` passed first. Register it again with a running daemon."""
+
+    code = "daemon_stopping"
+
+
 class WaitTimeout(KvdError):
     """``wait(timeout_s)`` expired; the transfer itself goes on (wait again, or cancel it)."""
 

@@ -93,6 +93,7 @@ class PeerInfo(msgspec.Struct, frozen=True, kw_only=True):
     transfers_active: int = 0  # transfers with this peer not finished yet
     mapped: bool = False  # the peer's pools are mapped here (same node: path "mapped")
     error: str = ""  # why the last connection attempt failed
+    attempts: int = 0  # failed connection attempts since the link was last up (outgoing links)
 
 
 class DaemonStats(msgspec.Struct, frozen=True, kw_only=True):

@@ -102,6 +102,10 @@ def test_throttle_burst() -> None:
         ({"transfer": {"deadline_s": float("nan")}}, r"\[transfer\] deadline_s must be finite"),
         ({"transfer": {"deadline_s": 2e5}}, "at most 86400 s"),
         ({"transfer": {"heartbeat_timeout_s": 0.0}}, "heartbeat_timeout_s must be finite, > 0"),
+        ({"transfer": {"reconnect_initial_s": 0.0}}, r"\[transfer\] reconnect_initial_s must be finite, > 0"),
+        ({"transfer": {"reconnect_max_s": float("inf")}}, "reconnect_max_s must be finite"),
+        ({"transfer": {"reconnect_initial_s": 5.0, "reconnect_max_s": 2.0}},
+         r"reconnect_max_s \(2\) is below reconnect_initial_s \(5\)"),
     ],
 )
 def test_check_config_refuses_unworkable_values(config: dict[str, Any], message: str) -> None:

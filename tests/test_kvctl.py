@@ -20,7 +20,7 @@ import msgspec
 import pytest
 
 from clients import Client
-from clients.kvctl import _bar, _transfer_rows
+from clients.kvctl import _bar, _transfer_rows, fetch_pages
 from kvd.demo.launch import DaemonProcess, start_daemon
 from protocol import messages as m
 from protocol.layout import KVLayout
@@ -192,6 +192,10 @@ def test_exit_code_1_when_the_daemon_refuses(served: Any) -> None:
         ["transfers", "--interval", "0"],
         ["transfers", "--count", "-1"],
         ["--timeout", "soon", "status"],
+        ["sessions", "--limit", "-1"],
+        ["sessions", "--offset", "many"],
+        ["transfers", "--page-size", "0"],
+        ["transfers", "--offset", "-3"],
     ],
 )
 def test_exit_code_2_on_usage_errors(args: list[str]) -> None:
@@ -493,3 +497,95 @@ def test_ping_wait_retries_until_the_daemon_is_up(daemon_factory: Callable[..., 
     assert out.startswith("pong from later in ")
     run = kvctl("ping", "--wait", "0.3", socket=str(short_tmp / "never.sock"))
     assert run.returncode == 3 and "cannot connect to kvd at" in run.stderr
+
+
+# --- paged lists ---------------------------------------------------------------------------------
+
+
+def test_lists_follow_the_pages_to_the_end(daemon_factory: Callable[..., DaemonProcess]) -> None:
+    """More sessions and transfers than one page: kvctl shows all of them (in the daemon's order),
+    ``--offset``/``--limit`` pick a window of the same order, across page boundaries."""
+    d = daemon_factory(name="paged")
+    holders = [Client(d.socket_path, client=f"holder-{i}", timeout=10) for i in range(4)]
+    try:
+        layout = holders[0].pools()[0].layout
+        ids = holders[0].alloc("host0", 7)
+        for i, b in enumerate(ids):
+            holders[0].expect(f"req-{i}", "host0", layout, 0, [b], deadline_s=600)
+        whole = [t.request_id for t in holders[1].transfers()]  # one reply: the daemon's order
+        assert sorted(whole) == sorted(f"req-{i}" for i in range(7))
+        assert holders[1].transfers_page(0, 3).total == 7
+
+        listed = [t["request_id"] for t in ok_json("transfers", "--page-size", "2", socket=d.socket_path)]
+        assert listed == whole  # 4 pages of 2, 2, 2, 1
+        window = ok_json("transfers", "--offset", "1", "--limit", "5", "--page-size", "2", socket=d.socket_path)
+        assert [t["request_id"] for t in window] == whole[1:6]
+        assert ok_json("transfers", "--offset", "7", socket=d.socket_path) == []
+        assert ok_json("transfers", "--offset", "100", "--page-size", "3", socket=d.socket_path) == []
+
+        run = kvctl("transfers", "--page-size", "3", socket=d.socket_path)
+        assert run.returncode == 0, run.stderr
+        assert run.stdout.splitlines()[0] == "transfers"  # the whole list: no window in the title
+        assert all(rid in run.stdout for rid in whole)
+        run = kvctl("transfers", "--offset", "2", "--limit", "3", "--page-size", "2", socket=d.socket_path)
+        assert run.returncode == 0, run.stderr
+        assert run.stdout.splitlines()[0] == "transfers 3-5 of 7"
+        assert [rid for rid in whole if rid in run.stdout.split()] == whole[2:5]
+        run = kvctl("transfers", "--offset", "9", socket=d.socket_path)
+        assert run.returncode == 0 and run.stdout.splitlines()[0] == "transfers: none at offset 9 (7 in all)"
+
+        # sessions: the four holders and kvctl's own session, in pages of one
+        sessions = ok_json("sessions", "--page-size", "1", socket=d.socket_path)
+        names = [s["client"] for s in sessions]
+        assert names[:4] == [f"holder-{i}" for i in range(4)] and names[4] == "kvctl"
+        assert len(names) == 5
+        window = ok_json("sessions", "--offset", "1", "--limit", "2", "--page-size", "1", socket=d.socket_path)
+        assert [s["client"] for s in window] == ["holder-1", "holder-2"]
+        run = kvctl("sessions", "--limit", "2", socket=d.socket_path)
+        assert run.returncode == 0 and run.stdout.splitlines()[0] == "sessions 1-2 of 5"
+        assert "holder-0" in run.stdout and "holder-1" in run.stdout and "holder-2" not in run.stdout
+    finally:
+        for c in holders:
+            c.close()
+
+
+def test_fetch_pages_stops_at_the_total_of_a_changing_list() -> None:
+    """Entries that go away between two pages end the walk; it never asks beyond the total."""
+    items = list(range(10))
+    asked: list[tuple[int, int]] = []
+
+    def page(offset: int, limit: int) -> tuple[list[int], int]:
+        asked.append((offset, limit))
+        out = items[offset:offset + limit]
+        if offset == 0:
+            del items[6:]  # four entries finish while the first page is on its way
+        return out, len(items) if offset else 10
+
+    got, total = fetch_pages(page, page_size=4)
+    assert got == [0, 1, 2, 3, 4, 5] and total == 6
+    assert asked == [(0, 4), (4, 4)]
+    got, total = fetch_pages(lambda o, n: (list(range(20))[o:o + n], 20), offset=3, limit=5, page_size=2)
+    assert got == [3, 4, 5, 6, 7] and total == 20
+    with pytest.raises(ValueError, match="page_size >= 1"):
+        fetch_pages(page, page_size=0)
+
+
+# --- a daemon without pools ----------------------------------------------------------------------
+
+
+def test_a_daemon_without_pools_says_so(daemon_factory: Callable[..., DaemonProcess]) -> None:
+    from tests.hostile import events
+
+    d = daemon_factory({"pools": []}, name="nopools")
+    order = [e["event"] for e in events(d)]
+    assert order.index("daemon.no_pools") < order.index("daemon.ready")
+    (line,) = events(d, "daemon.no_pools")
+    assert line["level"] == "warning" and "add a [[pools]] table" in line["reason"]
+    run = kvctl("status", socket=d.socket_path)
+    assert run.returncode == 0, run.stderr
+    assert "no pools configured: executors can allocate no blocks" in run.stdout
+    assert ok_json("status", socket=d.socket_path)["pools"] == []
+    # a daemon with pools says nothing of the kind
+    other = daemon_factory(name="withpools")
+    assert events(other, "daemon.no_pools") == []
+    assert "no pools configured" not in kvctl("status", socket=other.socket_path).stdout

@@ -228,7 +228,8 @@ _EVENT = re.compile(r"[a-z][a-z_]*\.[a-z][a-z_]*")
 
 def _emitted_events() -> dict[str, str]:
     """Every structlog event name in kvd/: the first argument of a logger call (also through a
-    ``level = log.info`` alias), or of a policy ``Note(level, event, fields)``."""
+    ``level = log.info`` alias, or a ``warn``/``warn_`` callable: a logger's or a rate
+    limiter's warning), or of a policy ``Note(level, event, fields)``."""
     found: dict[str, str] = {}
     for path in sorted((REPO / "kvd").rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
@@ -237,7 +238,8 @@ def _emitted_events() -> dict[str, str]:
             func = node.func
             arg: ast.expr | None = None
             logger_call = isinstance(func, ast.Attribute) and func.attr in _LEVELS
-            alias_call = isinstance(func, ast.Name) and func.id == "level"  # level = log.info if ... else log.debug
+            # level = log.info if ... else log.debug; warn = log.warning or Throttle(log).warning
+            alias_call = isinstance(func, ast.Name) and func.id in ("level", "warn", "warn_")
             if (logger_call or alias_call) and node.args:
                 arg = node.args[0]
             elif isinstance(func, ast.Name) and func.id == "Note" and len(node.args) >= 2:

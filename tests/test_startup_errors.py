@@ -65,6 +65,9 @@ def check_failure(run: subprocess.CompletedProcess[str], *, exit_code: int, sett
     assert failed[0]["setting"] == setting
     assert failed[0]["level"] == "error" and failed[0]["code"] == "startup_failed"
     assert "daemon.ready" not in {e["event"] for e in events}
+    # the failure is the last word: nothing (no "daemon.stopped") reads as if it came after
+    assert events[-1]["event"] == "daemon.startup_failed", [e["event"] for e in events]
+    assert "daemon.stopped" not in {e["event"] for e in events}
     return line
 
 

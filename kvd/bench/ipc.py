@@ -163,15 +163,25 @@ _SMALL_POOL = {
 }
 
 
+def build_parser() -> argparse.ArgumentParser:
+    """The options of ``kvd bench ipc``."""
+    parser = argparse.ArgumentParser(
+        prog="kvd bench ipc",
+        description="Round-trip latency and throughput of the executor <-> daemon socket: a real daemon, "
+                    "pings from the blocking and the async client, one at a time, many in flight, many sessions.",
+    )
+    parser.add_argument("--pings", type=int, default=20000, help="round trips per measurement (default 20000)")
+    parser.add_argument("--warmup", type=int, default=1000, help="round trips before each measurement (default 1000)")
+    parser.add_argument("--payload", type=int, default=16, help="ping payload bytes (default 16)")
+    parser.add_argument("--sessions", type=int, default=32, help="sessions of the concurrent run (default 32)")
+    parser.add_argument("--in-flight", type=int, default=32, help="requests in flight on one session (default 32)")
+    parser.add_argument("--json", action="store_true", help="print the rows as JSON")
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``kvd bench ipc``."""
-    parser = argparse.ArgumentParser(prog="kvd bench ipc", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--pings", type=int, default=20000, help="round trips per measurement")
-    parser.add_argument("--warmup", type=int, default=1000, help="round trips before each measurement")
-    parser.add_argument("--payload", type=int, default=16, help="ping payload bytes")
-    parser.add_argument("--sessions", type=int, default=32, help="sessions of the concurrent run")
-    parser.add_argument("--in-flight", type=int, default=32, help="requests in flight on one session")
-    parser.add_argument("--json", action="store_true", help="print the rows as JSON")
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.pings < 1 or args.sessions < 1 or args.in_flight < 1 or args.payload < 0:
         parser.error("--pings, --sessions and --in-flight must be positive, --payload non-negative")

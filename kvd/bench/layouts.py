@@ -197,13 +197,15 @@ def _print(report: dict[str, Any]) -> None:
     print(f"  verification (every request byte-exact, untouched bytes intact): {report['verified']}")
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
+    """The options of ``kvd bench transfer --layout``."""
     p = argparse.ArgumentParser(
         prog="kvd bench transfer",
         description="One ctx/gen layout, each rank's pool on its GPU, through two daemons: GB/s per gen GPU and in "
                     "aggregate, one request at a time and several in flight, every request verified; with "
                     "--device cuda against contiguous-copy ceilings measured in the same run.")
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="host pools (default) or each rank's pool on its GPU (two or more GPUs)")
     p.add_argument("--layout", default="tp1-tp4", help="tp1-tp4, tp2-tp4, tp4-tp1, pp2-pp1, tp1-dp4 or a TOML file")
     p.add_argument("--ctx-gpus", default="0", help="GPUs of the ctx ranks' pools (a multiple of the ctx world "
                                                    "size: one ctx instance per group)")
@@ -251,7 +253,7 @@ def _check_args(args: argparse.Namespace) -> tuple[LayoutSpec, Placement, list[i
 
 def main(argv: list[str] | None = None) -> int:
     """Run one layout; 0 when every request verified, 1 when one did not, 2 on a bad option."""
-    args = _parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     try:
         spec, placement, sizes, paths = _check_args(args)
     except SpecError as exc:

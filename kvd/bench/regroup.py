@@ -49,8 +49,13 @@ GPT_OSS_120B: dict[str, Any] = {
 }
 
 
-def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="kvd bench regroup", description=__doc__.split("\n\n")[0])
+def build_parser() -> argparse.ArgumentParser:
+    """The options of ``kvd bench regroup``."""
+    ap = argparse.ArgumentParser(
+        prog="kvd bench regroup",
+        description="The regroup path on the GPT-OSS-120B KV geometry (ctx TP1 -> gen TP4): plan time, gather and "
+                    "scatter through the bounce buffer, box copies, in GB/s of request bytes.",
+    )
     ap.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     ap.add_argument(
         "--blocks", type=int, default=256, help="request blocks (default 256 = 8k tokens, 576 MiB)"
@@ -61,7 +66,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--bounce-mb", type=int, default=512, help="bounce buffer size in MiB (default 512)")
     ap.add_argument("--repeats", type=int, default=5, help="timed repeats of each copy (median; default 5)")
     ap.add_argument("--plan-runs", type=int, default=21, help="plan() runs (median; default 21)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="seed of the random block placement (default 0)")
     ap.add_argument(
         "--engine",
         choices=["torch", "copy", "both", "kernel"],
@@ -103,7 +108,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; returns the process exit status."""
-    args = _parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     import torch
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))

@@ -82,24 +82,34 @@ def _raw(nbytes: int, repeat: int) -> dict[str, Any]:
     }
 
 
+def build_parser() -> argparse.ArgumentParser:
+    """The options of ``kvd bench transfer`` (``--device cuda`` and ``--layout`` have their own)."""
+    parser = argparse.ArgumentParser(
+        prog="kvd bench transfer",
+        description="The demo's scenario sized up (two daemons, ctx TP1 -> gen TP4), next to raw NIXL writes of "
+                    "the same bytes: latency per request size, then throughput end to end.",
+        epilog="N-GPU layouts and concurrency: --layout KIND|FILE, --ctx-gpus, --gen-gpus, --concurrent N "
+               "(kvd bench transfer --layout tp1-tp4 --help lists their options)")
+    parser.add_argument("--blocks", type=int, default=128, help="request size in blocks (2.25 MiB each)")
+    parser.add_argument("--repeat", type=int, default=5, help="timed runs of each measurement, the best shown (default 5)")
+    parser.add_argument("--chunk-mb", type=int, default=16, help="bounce chunk size in MiB (default 16)")
+    parser.add_argument("--bounce-mb", type=int, default=128, help="bounce buffer size in MiB (default 128)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="host pools (default) or GPU pools on two GPUs (its own options: --device cuda --help)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    parser.add_argument("--sizes", default="1,4,16,64", help="request sizes in blocks for the latency table")
+    parser.add_argument("--latency-repeat", type=int, default=30, help="requests per size and order")
+    parser.add_argument("--latency-only", action="store_true", help="print the latency table only")
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``kvd bench transfer``."""
     from kvd.bench import layouts
 
     if layouts.wanted(sys.argv[1:] if argv is None else argv):  # N-GPU layouts, concurrency: its own bench
         return layouts.main(argv)
-    parser = argparse.ArgumentParser(
-        prog="kvd bench transfer", description=__doc__.splitlines()[0] if __doc__ else "",
-        epilog="N-GPU layouts and concurrency: --layout KIND|FILE, --ctx-gpus, --gen-gpus, --concurrent N "
-               "(kvd bench transfer --layout tp1-tp4 --help lists their options)")
-    parser.add_argument("--blocks", type=int, default=128, help="request size in blocks (2.25 MiB each)")
-    parser.add_argument("--repeat", type=int, default=5)
-    parser.add_argument("--chunk-mb", type=int, default=16)
-    parser.add_argument("--bounce-mb", type=int, default=128)
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--json", action="store_true")
-    parser.add_argument("--sizes", default="1,4,16,64", help="request sizes in blocks for the latency table")
-    parser.add_argument("--latency-repeat", type=int, default=30, help="requests per size and order")
-    parser.add_argument("--latency-only", action="store_true", help="print the latency table only")
+    parser = build_parser()
     args, _ = parser.parse_known_args(argv)
     if args.device == "cuda":  # the GPU bench has its own options (--plot, --sizes, --json-out)
         from kvd.bench.transfer_gpu import main as gpu_main

@@ -220,19 +220,29 @@ def print_summary(results: dict[str, Completion], wall: float, ok: bool) -> None
                   + ("[green]byte-exact on all 4 gen ranks[/green]" if ok else "[red]MISMATCH[/red]"))
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The options of ``kvd demo``."""
     parser = argparse.ArgumentParser(
-        prog="kvd demo", description=__doc__.splitlines()[0] if __doc__ else None,
+        prog="kvd demo",
+        description="A real regrouped transfer between two daemons, verified byte for byte: ctx TP1 (8 KV heads) "
+                    "-> gen TP4 (2 heads each), GPT-OSS-120B-shaped blocks in host pools, over loopback.",
         epilog="kvd demo --model: a small transformer served through kvd, ctx TP1 prefill -> gen TP2/TP4 "
                "decode, compared with one process (kvd demo --model --help)",
     )
-    parser.add_argument("--blocks", type=int, default=32, help="request size in blocks (2.25 MiB each)")
-    parser.add_argument("--bounce-mb", type=int, default=32)
-    parser.add_argument("--chunk-mb", type=int, default=8)
+    parser.add_argument("--blocks", type=int, default=32, help="request size in blocks (2.25 MiB each; default 32)")
+    parser.add_argument("--bounce-mb", type=int, default=32,
+                        help="bounce buffer of each daemon, in MiB (the NIXL path's staging; default 32)")
+    parser.add_argument("--chunk-mb", type=int, default=8,
+                        help="one NIXL write per chunk of this many MiB on the bounce path (default 8)")
     parser.add_argument("--keep", action="store_true", help="keep the work directory (configs, logs)")
     parser.add_argument("--no-mapped", dest="mapped", action="store_false",
                         help="force NIXL (bounce pipeline) instead of the same-node mapped path")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``kvd demo``; exit code 0 when every gen rank's bytes match."""
+    args = build_parser().parse_args(argv)
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     workdir = Path(tempfile.mkdtemp(prefix="kvd-demo-", dir="/tmp"))
     try:

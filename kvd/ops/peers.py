@@ -48,5 +48,6 @@ def peer_infos(config: Config, engine: Engine | None) -> list[m.PeerInfo]:
                 remote=remote,
                 transfers_active=active.get(node, 0),
                 error=links.last_error.get(node, "") if links is not None else "peer links are not running",
+                attempts=links.attempts.get(node, 0) if links is not None else 0,
             )
     return [out[node] for node in sorted(out)]

@@ -39,25 +39,28 @@ class Throttle:
         self._window: dict[str, tuple[float, int]] = {}  # event -> (window start, lines written)
         self._suppressed: dict[str, int] = {}
 
-    def warning(self, event: str, **fields: Any) -> bool:
+    def warning(self, event: str, *, throttle_key: str | None = None, **fields: Any) -> bool:
         """``logger.warning(event, **fields)`` unless ``event`` used up its burst in this window.
 
-        Returns True when the line was written.
+        ``throttle_key`` (default: the event) names what counts as a repeat: lines with
+        different keys are limited separately (e.g. one key per failure reason, so a new
+        reason is logged at once). Returns True when the line was written.
         """
+        key = event if throttle_key is None else throttle_key
         now = self._clock()
-        start, written = self._window.get(event, (now, 0))
+        start, written = self._window.get(key, (now, 0))
         if now - start >= self.interval_s:
             start, written = now, 0
         if written >= self.burst:
-            self._suppressed[event] = self._suppressed.get(event, 0) + 1
+            self._suppressed[key] = self._suppressed.get(key, 0) + 1
             return False
-        self._window[event] = (start, written + 1)
-        suppressed = self._suppressed.pop(event, 0)
+        self._window[key] = (start, written + 1)
+        suppressed = self._suppressed.pop(key, 0)
         if suppressed:
             fields["suppressed"] = suppressed
         self.logger.warning(event, **fields)
         return True
 
-    def suppressed(self, event: str) -> int:
-        """Lines of ``event`` suppressed since the last one written."""
-        return self._suppressed.get(event, 0)
+    def suppressed(self, key: str) -> int:
+        """Lines of ``key`` (an event, or a ``throttle_key``) suppressed since the last one written."""
+        return self._suppressed.get(key, 0)

@@ -349,14 +349,18 @@ async def handshake_client(
     expect_node: str | None = None,
     version: int = PEER_PROTOCOL_VERSION,
     max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
+    warn: Warn | None = None,
 ) -> tuple[str, PeerWelcome]:
     """Authenticate to a listening daemon; returns its node name and welcome.
 
     ``local_welcome_payload`` is sent once both sides are authenticated (its ``node`` is set
     to ``node``). ``expect_node``: refuse a peer announcing another name. Raises
     ``AuthFailed``, ``VersionMismatch``, ``PeerUnavailable`` (no handshake within
-    ``timeout``), ``ConnectionClosed`` or ``ProtocolError``.
+    ``timeout``), ``ConnectionClosed`` or ``ProtocolError``. ``warn`` takes the
+    ``peer.auth_failed`` and ``peer.version_mismatch`` warnings (default ``log.warning``): a
+    daemon retrying a peer that refuses it passes a rate limiter.
     """
+    warn_ = warn or log.warning
     conn = _as_conn(stream, max_frame_size)
     full = conn.max_frame_size
     try:
@@ -367,25 +371,21 @@ async def handshake_client(
             try:
                 ch = await _expect(conn, PeerChallenge)
             except AuthFailed as exc:
-                raise _auth_failed(conn, "client", f"the peer refused us: {exc.message}") from None
+                raise _auth_failed(conn, "client", f"the peer refused us: {exc.message}", "", warn_) from None
             except VersionMismatch as exc:
-                log.warning(
-                    "peer.version_mismatch", remote=conn.remote_addr, side="client", error=exc.message
-                )
+                warn_("peer.version_mismatch", remote=conn.remote_addr, side="client", error=exc.message)
                 raise
             if ch.version != version:
                 err = VersionMismatch(
                     f"peer {ch.node!r} speaks peer protocol {ch.version}, we speak {version}"
                 )
-                log.warning(
-                    "peer.version_mismatch", remote=conn.remote_addr, side="client", error=err.message
-                )
+                warn_("peer.version_mismatch", remote=conn.remote_addr, side="client", error=err.message)
                 await _refuse(conn, err)
                 raise err
             try:
                 check_nonce(ch.nonce, other=nonce_c)
             except AuthFailed as exc:
-                fail = _auth_failed(conn, "client", exc.message, ch.node)
+                fail = _auth_failed(conn, "client", exc.message, ch.node, warn_)
                 await _refuse(conn, fail)
                 raise fail from None
             expected = handshake_mac(
@@ -398,7 +398,7 @@ async def handshake_client(
                 server_nonce=ch.nonce,
             )
             if not verify_mac(expected, ch.mac):
-                fail = _auth_failed(conn, "client", _MAC_MISMATCH, ch.node)
+                fail = _auth_failed(conn, "client", _MAC_MISMATCH, ch.node, warn_)
                 await _refuse(conn, fail)
                 raise fail
             if ch.node == node:
@@ -420,7 +420,7 @@ async def handshake_client(
             try:
                 welcome = await _expect(conn, PeerWelcome)
             except AuthFailed as exc:
-                raise _auth_failed(conn, "client", f"the peer refused us: {exc.message}", ch.node) from None
+                raise _auth_failed(conn, "client", f"the peer refused us: {exc.message}", ch.node, warn_) from None
             if welcome.node != ch.node:
                 raise ProtocolError(f"peer {ch.node!r} welcomed us as {welcome.node!r}")
             if expect_node is not None and ch.node != expect_node:
@@ -641,9 +641,12 @@ async def connect_peer(
     expect_node: str | None = None,
     handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
     max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
+    warn: Warn | None = None,
     **backoff: Any,
 ) -> PeerConnection:
-    """Connect (with backoff) and authenticate; returns the ready link (closed on failure)."""
+    """Connect (with backoff) and authenticate; returns the ready link (closed on failure).
+
+    ``warn``: as for :func:`handshake_client`."""
     stream = await connect_with_backoff(host, port, **backoff)
     conn = PeerConnection(stream, max_frame_size=max_frame_size)
     try:
@@ -654,6 +657,7 @@ async def connect_peer(
             local_welcome_payload=welcome,
             timeout=handshake_timeout,
             expect_node=expect_node,
+            warn=warn,
         )
     except BaseException:
         with trio.CancelScope(shield=True):

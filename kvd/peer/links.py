@@ -20,6 +20,7 @@ from kvd.ops.accept import accept_loop
 from kvd.ops.throttle import Throttle
 from kvd.peer import accept_peer, connect_peer, load_secret, run_heartbeats
 from kvd.peer.attach import attach_peer_pools
+from kvd.peer.retry import Backoff
 from kvd.startup import bind_failed
 from protocol import transfer as x
 from protocol.errors import AuthFailed, BadRequest, KvdError, PeerUnavailable, VersionMismatch
@@ -121,6 +122,7 @@ class PeerLinks:
         self.owed: dict[str, list[x.XferMessage]] = {}
         self.secret: bytes | None = None
         self.last_error: dict[str, str] = {}  # peer -> why its last connect failed
+        self.attempts: dict[str, int] = {}  # peer -> failed connection attempts since its link was up
         self.pending = 0  # accepted peer-port connections not yet authenticated
         self._changed = trio.Event()  # set (and replaced) whenever a link comes up
 
@@ -238,19 +240,43 @@ class PeerLinks:
         await self._serve(conn)
 
     async def _connect_forever(self, node: str, host: str, port: int) -> None:
-        """Keep a link to ``node`` up: connect with backoff, serve, reconnect when it drops."""
+        """Keep a link to ``node`` up: connect with backoff, serve, reconnect when it drops.
+
+        A peer that refuses us (wrong secret, another version, another node at that address)
+        is retried after ``[transfer] reconnect_initial_s``, doubling up to ``reconnect_max_s``
+        (reset once a link came up); each distinct failure is logged at once, its repeats at
+        most once per 10 s with ``suppressed=N`` (a rate limiter per peer and reason).
+        """
         assert self.secret is not None
+        t = self.config.transfer
+        backoff = Backoff(t.reconnect_initial_s, t.reconnect_max_s)
+        failures = Throttle(log)
+
+        def warn(event: str, **fields: object) -> None:
+            reason = fields.get("reason") or fields.get("error") or ""
+            failures.warning(event, throttle_key=f"{event}|{reason}", **fields)
+
+        def tcp_failed(reason: str) -> None:  # the TCP connect itself (retried inside, 2 s at most)
+            self.last_error[node] = reason
+            self.attempts[node] = self.attempts.get(node, 0) + 1
+
         while True:
             try:
                 conn = await connect_peer(host, port, node=self.config.node, secret=self.secret,
                                           welcome=self.welcome(), expect_node=node,
                                           max_frame_size=self.config.limits.max_frame_size, maximum=2.0,
-                                          on_retry=partial(self.last_error.__setitem__, node))
+                                          on_retry=tcp_failed, warn=warn)
             except KvdError as exc:
                 self.last_error[node] = str(exc)
-                log.warning("peer.connect_failed", node=node, host=host, port=port, error=str(exc))
-                await trio.sleep(1.0)
+                self.attempts[node] = self.attempts.get(node, 0) + 1
+                delay = backoff.failed()
+                failures.warning("peer.connect_failed", throttle_key=f"peer.connect_failed|{exc}", node=node,
+                                 host=host, port=port, error=str(exc), attempt=self.attempts[node],
+                                 retry_in_s=round(delay, 3))
+                await trio.sleep(delay)
                 continue
+            backoff.reset()
+            self.attempts.pop(node, None)
             await self._serve(conn)
             await trio.sleep(0.1)
 

@@ -47,6 +47,8 @@ from protocol.errors import (
 )
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from kvd.daemon import Daemon
     from kvd.executor.session import Session
     from kvd.peer.links import PeerLink, PeerLinks
@@ -116,6 +118,20 @@ class Engine:
         """Request ids of the transfers still running (a side not ended yet, or a write not
         confirmed yet), sorted: what a drain waits for."""
         return sorted({t.request_id for t in self._live})
+
+    def stop_requests(self, exc: KvdError,
+                      pick: Callable[[tuple[str, str], f.TransferMachine], list[f.Role]]) -> list[str]:
+        """A stopping daemon fails, with ``exc``, the sides ``pick`` names of every unfinished
+        request (:mod:`kvd.transfer.stopping`); returns their request ids. Through the machine:
+        a side reports once no write can land."""
+        stopped: set[str] = set()
+        for t in list(self.transfers.values()):
+            if t.finished.is_set():
+                continue
+            for role in pick(t.key, t.machine):
+                t.feed(f.LocalFailure(role, exc.code, exc.message))
+                stopped.add(t.request_id)
+        return sorted(stopped)
 
     async def wait_idle(self) -> None:
         """Return once no transfer is running."""

@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "kvd delivered, compared token by token with the same model in one process.",
     )
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="host pools (default) or GPU pools")
-    parser.add_argument("--gen-tp", type=int, choices=[2, 4], default=4)
+    parser.add_argument("--gen-tp", type=int, choices=[2, 4], default=4, help="TP size of the gen side (default 4)")
     parser.add_argument("--order", choices=["gen-first", "ctx-first"], default="gen-first",
                         help="which side registers the requests with its daemon first")
     parser.add_argument("--dtype", choices=sorted(LOGIT_TOLERANCE), default="float32",
