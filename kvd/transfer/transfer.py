@@ -581,7 +581,8 @@ class Transfer:
         if scope is not None:
             scope.cancel()  # e.g. the bounce receiver, idle now
         if side is None:
-            log.info("transfer.dropped", peer=self.peer, role=a.role.value, code=a.code, reason=a.message)
+            log.info("transfer.dropped", request_id=self.request_id, peer=self.peer, role=a.role.value, code=a.code,
+                     reason=a.message)
             return
         path = self.machine.path.value if self.machine.path is not None else ""
         duration = time.monotonic() - (side.started or side.created)
