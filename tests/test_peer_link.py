@@ -638,3 +638,20 @@ async def test_a_frame_queued_while_a_send_waits_goes_after_it() -> None:
     assert [m.payload for m in got] == [b"first", b"second"]  # type: ignore[attr-defined]
     await ca.aclose()
     await cb.aclose()
+
+
+async def test_takes_nowait_only_while_the_writer_runs() -> None:
+    """A link that just came up has no writer yet: callers must send awaited then (a transfer
+    whose first message met such a link failed with an internal error)."""
+    ca, cb = await _socket_pair()
+    assert not ca.takes_nowait and not ca.send_nowait(Ping(payload=b"x"))
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(ca.run_writer)
+        await trio.testing.wait_all_tasks_blocked()
+        assert ca.takes_nowait
+        nursery.cancel_scope.cancel()
+    assert not ca.takes_nowait  # the writer is gone
+    await ca.send(Ping(payload=b"awaited"))  # the awaited path still works
+    assert (await cb.receive()).payload == b"awaited"  # type: ignore[attr-defined]
+    await ca.aclose()
+    await cb.aclose()

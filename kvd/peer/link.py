@@ -170,12 +170,18 @@ class PeerConnection:
             except trio.ClosedResourceError:
                 raise ConnectionClosed(f"link to {self.describe()} was closed by us", by_peer=False) from None
 
+    @property
+    def takes_nowait(self) -> bool:
+        """Whether :meth:`send_nowait` would take a message now (its writer runs; the link is
+        neither closed nor broken): until the writer task started, and once the link ends, not."""
+        return self._writer_running and not self._closed_by_us and not self.write_error
+
     def send_nowait(self, msg: msgspec.Struct) -> bool:
         """Queue one message for :meth:`run_writer`, without waiting; False (nothing queued)
         when no writer runs or the link is closed. Frames keep their order with :meth:`send`.
         A write that fails later closes the link (:attr:`write_error` says why): callers learn
         of it as of any broken link."""
-        if not self._writer_running or self._closed_by_us or self.write_error:
+        if not self.takes_nowait:
             return False
         data = encode_peer(msg, self._max_frame_size)
         if not self._outbox and not self._send_lock.locked():

@@ -81,6 +81,12 @@ class PeerLink:
         #: The peer's pools mapped into this process (same node only), by pool name.
         self.mapped: dict[str, MappedPool] = {}
 
+    @property
+    def takes_nowait(self) -> bool:
+        """Whether :meth:`send_nowait` takes a message now (False just after the link came up,
+        before its writer runs, and once it ended)."""
+        return self.conn.takes_nowait
+
     def send_nowait(self, msg: x.XferMessage) -> bool:
         """Queue a transfer-control message for the link's writer (no waiting, in order with
         :meth:`send`); False when it cannot be queued now (use :meth:`send`)."""

@@ -276,8 +276,8 @@ class Transfer:
         else:
             links = self.env.links()
             link = links.links.get(self.peer) if links is not None else None
-            if link is None:
-                return False
+            if link is None or not link.takes_nowait:
+                return False  # the actor sends it, awaited (a link that just came up has no writer yet)
             if not self.peer_instance:
                 self.peer_instance = link.agent
             # _message may take receive slots (an announce's grants): only once it will go
