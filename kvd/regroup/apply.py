@@ -329,6 +329,19 @@ def _templated(
     return Completion("kernel", nbytes, events)
 
 
+def _run_chunk(
+    plan: Plan, eng: Engine, item: tuple[PairGrid, Any, Any, int, int, bool, bool], dev: int | None, stream: Any,
+    tile_bytes: int,
+) -> Completion:
+    """One gather or scatter chunk: from a launch template on the kernel when one applies."""
+    if eng == "kernel":
+        assert dev is not None
+        done = _templated_chunk(plan, item, dev, stream, tile_bytes)
+        if done is not None:
+            return done
+    return _run_pairs(eng, [item], dev, stream, tile_bytes)
+
+
 def _templated_chunk(
     plan: Plan, item: tuple[PairGrid, Any, Any, int, int, bool, bool], dev: int, stream: Any, tile_bytes: int
 ) -> Completion | None:
@@ -430,13 +443,7 @@ def gather_chunk(
     g = _chunk(plan, src_rank, dst_rank, offset, nbytes)
     dev = src_pool.device.index if _is_cuda(src_pool) else None
     eng = _pick(engine, [src_pool, staging], dev)
-    item = (g, src_pool, staging, offset, offset + nbytes, False, True)
-    if eng == "kernel":
-        assert dev is not None
-        done = _templated_chunk(plan, item, dev, stream, tile_bytes)
-        if done is not None:
-            return done
-    return _run_pairs(eng, [item], dev, stream, tile_bytes)
+    return _run_chunk(plan, eng, (g, src_pool, staging, offset, offset + nbytes, False, True), dev, stream, tile_bytes)
 
 
 def scatter_chunk(
@@ -457,10 +464,4 @@ def scatter_chunk(
     g = _chunk(plan, src_rank, dst_rank, offset, nbytes)
     dev = dst_pool.device.index if _is_cuda(dst_pool) else None
     eng = _pick(engine, [staging, dst_pool], dev)
-    item = (g, staging, dst_pool, offset, offset + nbytes, True, False)
-    if eng == "kernel":
-        assert dev is not None
-        done = _templated_chunk(plan, item, dev, stream, tile_bytes)
-        if done is not None:
-            return done
-    return _run_pairs(eng, [item], dev, stream, tile_bytes)
+    return _run_chunk(plan, eng, (g, staging, dst_pool, offset, offset + nbytes, True, False), dev, stream, tile_bytes)

@@ -263,26 +263,18 @@ class Transfer:
     def _act_now(self, a: f.Action) -> bool:
         """Carry out ``a`` now if it needs no waiting; False (nothing done) otherwise."""
         mark("now", type(a).__name__)
-        if isinstance(a, f.Report):
-            self._report(a)
-        elif isinstance(a, f.StartData):
-            self._start(self._send_task if a.path is None else self._local_task)
-        elif isinstance(a, f.StartReceive):
-            self._start_receive(a.path)
-        elif isinstance(a, f.AbortWrites):
-            self._abort(a.role)
-        elif isinstance(a, f.SendFail) or self._backlog is not None:
+        if self._act_local(a):
+            return True
+        if isinstance(a, f.SendFail) or self._backlog is not None:
             return False  # sent awaited (owed to the next link if this one is gone), or in order
-        else:
-            links = self.env.links()
-            link = links.links.get(self.peer) if links is not None else None
-            if link is None or not link.takes_nowait:
-                return False  # the actor sends it, awaited (a link that just came up has no writer yet)
-            if not self.peer_instance:
-                self.peer_instance = link.agent
-            # _message may take receive slots (an announce's grants): only once it will go
-            return link.send_nowait(self._message(a)) or self._unsent(a)
-        return True
+        links = self.env.links()
+        link = links.links.get(self.peer) if links is not None else None
+        if link is None or not link.takes_nowait:
+            return False  # the actor sends it, awaited (a link that just came up has no writer yet)
+        if not self.peer_instance:
+            self.peer_instance = link.agent
+        # _message may take receive slots (an announce's grants): only once it will go
+        return link.send_nowait(self._message(a)) or self._unsent(a)
 
     def _unsent(self, a: f.Action) -> bool:
         raise InternalError(f"the link's writer refused {type(a).__name__} after accepting the link")
@@ -456,16 +448,23 @@ class Transfer:
     async def _do(self, actions: list[f.Action]) -> None:
         for a in actions:
             mark("do", type(a).__name__)
-            if isinstance(a, f.Report):
-                self._report(a)
-            elif isinstance(a, f.StartData):
-                self._start(self._send_task if a.path is None else self._local_task)
-            elif isinstance(a, f.StartReceive):
-                self._start_receive(a.path)
-            elif isinstance(a, f.AbortWrites):
-                self._abort(a.role)
-            else:
+            if not self._act_local(a):
                 await self._send(self._message(a))
+
+    def _act_local(self, a: f.Action) -> bool:
+        """Carry out ``a`` if it involves no peer message (reports, starting or aborting a data
+        task); False for a message to send."""
+        if isinstance(a, f.Report):
+            self._report(a)
+        elif isinstance(a, f.StartData):
+            self._start(self._send_task if a.path is None else self._local_task)
+        elif isinstance(a, f.StartReceive):
+            self._start_receive(a.path)
+        elif isinstance(a, f.AbortWrites):
+            self._abort(a.role)
+        else:
+            return False
+        return True
 
     def _start(self, fn: Callable[[], Any]) -> None:
         assert self._nursery is not None
