@@ -301,18 +301,27 @@ class Transfer:
                             item = f.Clock(trio.current_time())
                         await self._step(item)
                     # the machine is final: nothing it waits for is left in the tasks
-                    while True:  # carry out what the last events asked for (reports, the last Fail)
-                        try:
-                            item = self._rx.receive_nowait()
-                        except trio.WouldBlock:
-                            break
-                        self._queued -= 1
-                        if isinstance(item, _Do):
-                            await self._do(item.actions)
+                    await self._drain()
                     nursery.cancel_scope.cancel()
+                # the tasks' ends were checkpoints: a peer's offer may have come meanwhile, and
+                # a gen side that failed before ctx spoke owes it an answer (SendFail)
+                await self._drain()
         finally:
+            # no checkpoint since the last drain found the inbox empty: from here on the engine
+            # sees ``finished`` and answers late messages itself
             self.finished.set()
             self.env.on_finished(self)
+
+    async def _drain(self) -> None:
+        """Carry out everything queued (the last reports, a Fail owed to the peer) and feed
+        the messages that came meanwhile, until the inbox is empty."""
+        while True:
+            try:
+                item = self._rx.receive_nowait()
+            except trio.WouldBlock:
+                return
+            self._queued -= 1
+            await self._step(item)
 
     async def _step(self, item: Any) -> None:
         if isinstance(item, _Do):

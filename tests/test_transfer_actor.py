@@ -1,0 +1,72 @@
+"""The transfer actor's end: what arrives while it winds down is still handled.
+
+A gen side that fails before its ctx peer spoke up owes ctx an answer when ctx's offer comes
+(the machine's "tell" rule). If that offer lands in the transfer's inbox behind the actor's
+last actions, the actor must feed it before it ends, or ctx waits for its whole deadline (seen
+once in a loaded full-suite run of
+``test_gen_rank_leaving_before_its_side_is_complete_fails_ctx_once``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import trio
+import trio.testing
+
+from kvd.config import TransferConfig
+from kvd.transfer.requests import Side
+from kvd.transfer.transfer import Env, Transfer
+from protocol import messages as m
+from protocol import transfer as x
+from protocol import transfer_fsm as f
+from protocol.layout import KVLayout
+
+TP2 = KVLayout(num_layers=4, num_kv_heads=8, head_dim=64, tokens_per_block=32, dtype="bfloat16", tp_size=2)
+ONE = KVLayout(num_layers=4, num_kv_heads=8, head_dim=64, tokens_per_block=32, dtype="bfloat16")
+
+
+def _gen_transfer(reports: list[m.Completion], ended: list[Transfer]) -> Transfer:
+    env = Env(node="gen", cfg=TransferConfig(), nixl=lambda: None, links=lambda: None, staging=lambda: None,
+              on_report=lambda t, side, c: reports.append(c), on_finished=ended.append)
+    t = Transfer(env, "r-late", "", {f.Role.GEN})
+    t.sides[f.Role.GEN] = Side(request_id="r-late", role="gen", layout=TP2, ranks=(0, 1), peer="",
+                               deadline=math.inf)
+    return t
+
+
+async def test_an_offer_queued_behind_the_last_actions_is_answered_before_the_actor_ends() -> None:
+    reports: list[m.Completion] = []
+    ended: list[Transfer] = []
+    t = _gen_transfer(reports, ended)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(t.run)
+        await trio.testing.wait_all_tasks_blocked()
+        t.feed(f.RankRegistered(f.Role.GEN))  # rank 0 of 2
+        # rank 0's executor leaves: the side fails (reported inline) and the machine is final;
+        # the actor is woken to end, and before it runs, ctx's offer arrives behind that
+        t.feed(f.Disconnect(f.Role.GEN, "executor session 1 ended"))
+        assert t.machine.finished and len(reports) == 1 and not reports[0].ok
+        t.post(x.XferOffer(request_id="r-late", layout=ONE, blocks={0: [1, 2]}, deadline_s=60))
+        assert not t.finished.is_set()
+    assert ended == [t]
+    # the offer was fed to the machine, which answered it with the gen side's failure
+    assert t.machine.state(f.Role.CTX) is f.State.OFFERED
+    assert t.machine.fail_sent
+    assert t.machine.gen.code == "transfer_cancelled" and "session 1 ended" in t.machine.gen.message
+
+
+async def test_an_offer_after_the_end_finds_the_transfer_finished() -> None:
+    """Once ``finished`` is set the engine answers late offers itself (its tombstone rule):
+    the actor ended with its inbox empty."""
+    reports: list[m.Completion] = []
+    ended: list[Transfer] = []
+    t = _gen_transfer(reports, ended)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(t.run)
+        await trio.testing.wait_all_tasks_blocked()
+        t.feed(f.RankRegistered(f.Role.GEN))
+        t.feed(f.Disconnect(f.Role.GEN, "executor session 1 ended"))
+    assert t.finished.is_set() and ended == [t]
+    assert t.machine.state(f.Role.GEN) is f.State.FAILED and not t.machine.fail_sent
+    assert t._rx.statistics().current_buffer_used == 0  # nothing left unhandled
