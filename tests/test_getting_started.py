@@ -50,7 +50,7 @@ def test_markers_are_found() -> None:
     doc = DOC.read_text()
     files, script = extract(doc)
     assert len(_BLOCK.findall(doc)) == doc.count("<!-- getting-started:")  # every marker opens a block
-    assert set(files) == {"gen.toml", "ctx.toml", "common.py", "ctx_executor.py", "gen_rank.py"}
+    assert set(files) == {"gen.toml", "ctx.toml", "common.py", "ctx_executor.py", "gen_rank.py", "cancel.py"}
     assert "kvd serve --config gen.toml" in script and "python ctx_executor.py" in script
 
 
@@ -98,11 +98,17 @@ def test_getting_started_runs_as_written(workdir: Path) -> None:
         assert f"gen rank {rank}: 917504 bytes over path bounce, heads {heads}: byte-exact" in lines, out
     row = next(line for line in lines if line.startswith("req-1"))
     assert row.split()[:5] == ["req-1", "ctx", "gen", "done", "bounce"]
+    # section 6: the cancelled request, as the page says it prints and lists
+    assert "gen rank 0: [transfer_cancelled] request 'req-2' cancelled by client" in lines, out
+    row = next(line for line in lines if line.startswith("req-2"))
+    assert row.split()[:4] == ["req-2", "gen", "-", "failed"] and "cancelled by client" in row, row
     # one transfer.done per side; both daemons drained and exited, sockets gone
     for name, role in (("ctx", "ctx"), ("gen", "gen")):
         events = [json.loads(line) for line in logs[name].splitlines() if line.startswith("{")]
         done = [e for e in events if e["event"] == "transfer.done"]
         assert [(e["request_id"], e["role"], e["bytes"]) for e in done] == [("req-1", role, 917504)]
+        failed = [(e["request_id"], e["code"]) for e in events if e["event"] == "transfer.failed"]
+        assert failed == ([("req-2", "transfer_cancelled")] if name == "gen" else [])
         assert events[-1]["event"] == "daemon.stopped"
         assert not (workdir / f"{name}.sock").exists()
 
