@@ -17,8 +17,12 @@ whatever arrived (a trio exception group, a ``KvdError`` from deeper down, a bug
 
 from __future__ import annotations
 
+import difflib
 import errno
 import re
+
+import msgspec
+import msgspec.inspect
 
 from protocol.errors import KvdError
 
@@ -62,24 +66,62 @@ def bind_failed(exc: OSError, *, what: str, host: str, port: int, setting: str, 
     return StartupError(f"{setting}: {why}; {todo}", setting=setting)
 
 
-_SETTING_AT = re.compile(r"at `\$\.?([^`]*)`")
-_UNKNOWN_FIELD = re.compile(r"unknown field `([^`]*)`")
+_UNKNOWN_FIELD = re.compile(r"^Object contains unknown field `(?P<key>[^`]*)`$")
+_MISSING_FIELD = re.compile(r"^Object missing required field `(?P<key>[^`]*)`$")
 
 
 def config_error(path: str | None, exc: KvdError) -> StartupError:
-    """A configuration that cannot be read or is invalid (exit :data:`EX_CONFIG`)."""
+    """A configuration that cannot be read or is invalid (exit :data:`EX_CONFIG`).
+
+    When the error names where it is (msgspec's ``... - at `$.transfer.chunk_mb```), the line
+    starts with that setting, as every startup error does; an unknown key comes with the known
+    key it most resembles (a typo is the usual cause)."""
     where = path or "(no file: defaults and KVD_* variables)"
-    match = _SETTING_AT.search(exc.message)
-    setting = match.group(1) if match else ""
-    unknown = _UNKNOWN_FIELD.search(exc.message)
-    if unknown:  # the offending key itself, under the table it was found in
-        setting = f"{setting}.{unknown.group(1)}" if setting else unknown.group(1)
-    message = exc.message if path is None or path in exc.message else f"configuration {where}: {exc.message}"
-    return StartupError(
-        f"{message}: fix the configuration (systemd/kvd.toml shows and explains every key)",
-        setting=setting,
-        exit_code=EX_CONFIG,
-    )
+    todo = "fix the configuration (systemd/kvd.toml shows and explains every key)"
+    # msgspec: "<what> - at `$.pools[0].num_blocks`"; no location when <what> is at the top level
+    what, _, at = exc.message.removeprefix("invalid configuration: ").partition(" - at `$")
+    table = at.removeprefix(".").removesuffix("`")
+    if unknown := _UNKNOWN_FIELD.match(what):
+        key = unknown.group("key")
+        setting = f"{table}.{key}" if table else key
+        close = difflib.get_close_matches(key, _keys_of(table), n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        problem = f"unknown key in {_table_name(table)} of {where}{hint}"
+    elif missing := _MISSING_FIELD.match(what):
+        setting = f"{table}.{missing.group('key')}" if table else missing.group("key")
+        problem = f"required key missing from {_table_name(table)} of {where}"
+    elif table:
+        setting = table
+        problem = f"{what[:1].lower()}{what[1:]} (in {where})"
+    else:  # not located (unreadable file, bad TOML, a limit out of range): the message says what
+        message = exc.message if path is None or path in exc.message else f"configuration {where}: {exc.message}"
+        return StartupError(f"{message}: {todo}", setting="", exit_code=EX_CONFIG)
+    return StartupError(f"{setting}: {problem}; {todo}", setting=setting, exit_code=EX_CONFIG)
+
+
+def _table_name(table: str) -> str:
+    """``pools[0]`` -> ``[[pools]] #1``, ``transfer`` -> ``[transfer]``, ``""`` -> the top level."""
+    if not table:
+        return "the top level"
+    if array := re.fullmatch(r"(\w+)\[(\d+)\]", table):
+        return f"[[{array.group(1)}]] #{int(array.group(2)) + 1}"
+    return f"[{table}]"
+
+
+def _keys_of(table: str) -> list[str]:
+    """The keys the configuration table at ``table`` (``""``, ``transfer``, ``pools[0]``) accepts."""
+    from kvd.config import Config  # here: only a failed startup needs it
+
+    info: msgspec.inspect.Type = msgspec.inspect.type_info(Config)
+    for part in re.findall(r"[A-Za-z_]\w*", table):  # the names; an index picks one table of an array
+        if isinstance(info, msgspec.inspect.StructType):
+            fields = {f.name: f.type for f in info.fields}
+            if part not in fields:
+                return []
+            info = fields[part]
+        if isinstance(info, msgspec.inspect.VarTupleType | msgspec.inspect.ListType):
+            info = info.item_type
+    return [f.name for f in info.fields] if isinstance(info, msgspec.inspect.StructType) else []
 
 
 def _leaves(exc: BaseException) -> list[BaseException]:

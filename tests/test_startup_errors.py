@@ -13,8 +13,9 @@ from typing import Any
 
 import pytest
 
+from kvd.config import load_config
 from kvd.demo.launch import write_config
-from kvd.startup import EX_CONFIG, StartupError, explain
+from kvd.startup import EX_CONFIG, StartupError, config_error, explain
 from protocol.errors import BadRequest
 from tests.conftest import host_pool
 
@@ -180,14 +181,52 @@ def test_config_not_toml(short_tmp: Path) -> None:
 def test_config_wrong_type_names_the_setting(short_tmp: Path) -> None:
     cfg = base_config(short_tmp)
     cfg["pools"] = [host_pool(num_blocks="many")]
-    run = serve(write_config(short_tmp, "kvd", cfg), env={"KVD_LOG_FORMAT": "json"})
-    check_failure(run, exit_code=EX_CONFIG, setting="pools[0].num_blocks",
-                  contains=[f"configuration {short_tmp / 'kvd.toml'}: invalid configuration", "pools[0].num_blocks"])
+    path = write_config(short_tmp, "kvd", cfg)
+    run = serve(path, env={"KVD_LOG_FORMAT": "json"})
+    line = check_failure(run, exit_code=EX_CONFIG, setting="pools[0].num_blocks",
+                         contains=[f"pools[0].num_blocks: expected `int`, got `str` (in {path}); fix the configuration"])
+    assert line.startswith("kvd: error: pools[0].num_blocks: "), line  # <setting>: first, as README says
 
 
 def test_config_unknown_key(short_tmp: Path) -> None:
-    run = serve(write_config(short_tmp, "kvd", base_config(short_tmp, peer_prot=5)), env={"KVD_LOG_FORMAT": "json"})
-    check_failure(run, exit_code=EX_CONFIG, setting="peer_prot", contains=["unknown field `peer_prot`"])
+    path = write_config(short_tmp, "kvd", base_config(short_tmp, peer_prot=5))
+    run = serve(path, env={"KVD_LOG_FORMAT": "json"})
+    check_failure(run, exit_code=EX_CONFIG, setting="peer_prot",
+                  contains=[f"kvd: error: peer_prot: unknown key in the top level of {path} (did you mean peer_port?); "
+                            "fix the configuration (systemd/kvd.toml shows and explains every key)"])
+
+
+def test_config_unknown_key_in_a_table(short_tmp: Path) -> None:
+    """A typo under [transfer]: the line names the key with its table, and the key meant."""
+    cfg = base_config(short_tmp, transfer={"bounce_sise_mb": 4})
+    path = write_config(short_tmp, "kvd", cfg)
+    run = serve(path, env={"KVD_LOG_FORMAT": "json"})
+    check_failure(run, exit_code=EX_CONFIG, setting="transfer.bounce_sise_mb",
+                  contains=[f"kvd: error: transfer.bounce_sise_mb: unknown key in [transfer] of {path} "
+                            "(did you mean bounce_size_mb?); fix the configuration"])
+
+
+@pytest.mark.parametrize(("toml", "line"), [
+    ('[[pools]]\nname = "a"\nnum_block = 4\n',
+     "pools[0].num_block: unknown key in [[pools]] #1 of {path} (did you mean num_blocks?)"),
+    ('[[peers]]\nname = "g"\nhost = "h"\nport = 1\n[[peers]]\nname = "h"\nhost = "h"\nprot = 1\n',
+     "peers[1].prot: unknown key in [[peers]] #2 of {path} (did you mean port?)"),
+    ("[tranfser]\nchunk_mb = 4\n", "tranfser: unknown key in the top level of {path} (did you mean transfer?)"),
+    ("[access]\nzzz = 1\n", "access.zzz: unknown key in [access] of {path}; fix"),
+    ('[[pools]]\nmemory = "host"\n', "pools[0].name: required key missing from [[pools]] #1 of {path}"),
+    ('[[pools]]\nname = "a"\nmemory = "hots"\n', "pools[0].memory: invalid enum value 'hots' (in {path})"),
+])
+def test_config_errors_start_with_the_setting(short_tmp: Path, toml: str, line: str) -> None:
+    """The shapes of configuration mistakes, through the same load_config -> config_error as
+    ``kvd serve`` (the subprocess cases above check the rest of the way out)."""
+    path = short_tmp / "kvd.toml"
+    path.write_text(toml)
+    with pytest.raises(BadRequest) as info:
+        load_config(path, env={})
+    error = config_error(str(path), info.value)
+    assert error.message.startswith(line.format(path=path)), error.message
+    assert error.message.endswith("fix the configuration (systemd/kvd.toml shows and explains every key)")
+    assert error.exit_code == EX_CONFIG and error.message.startswith(f"{error.setting}: ")
 
 
 def test_config_bad_limit(short_tmp: Path) -> None:
