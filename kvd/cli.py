@@ -14,7 +14,7 @@ def _serve(args: argparse.Namespace) -> int:
     """Run the daemon; a failure is one ``kvd: error:`` line, one log line and an exit status."""
     import trio
 
-    from kvd.config import load_config
+    from kvd.config import load_config, table_keys
     from kvd.daemon import check_limits
     from kvd.ops.logs import configure_logging
     from kvd.server import serve
@@ -25,7 +25,7 @@ def _serve(args: argparse.Namespace) -> int:
         check_limits(config.limits)
     except KvdError as exc:
         _configure_logging_from_env()
-        return _report(config_error(args.config, exc), stage="startup")
+        return _report(config_error(args.config, exc, table_keys), stage="startup")
     configure_logging(config.log_format, config.log_level, cache=True)
     ready = False
 

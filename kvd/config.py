@@ -15,12 +15,14 @@ Environment overrides (documented in the README; an explicit env setting wins ov
 from __future__ import annotations
 
 import os
+import re
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Literal
 
 import msgspec
+import msgspec.inspect
 
 from protocol.errors import BadRequest
 from protocol.framing import DEFAULT_MAX_FRAME_SIZE
@@ -203,6 +205,22 @@ def config_from_dict(data: Mapping[str, object], env: Mapping[str, str] | None =
     for pool in cfg.pools:
         pool.layout()  # validates geometry and block count
     return cfg
+
+
+def table_keys(table: str) -> list[str]:
+    """The keys the configuration table at ``table`` accepts: ``""`` (the top level),
+    ``"transfer"``, ``"pools[0]"`` (one table of an array); ``[]`` for a path that is no table."""
+    info: msgspec.inspect.Type = msgspec.inspect.type_info(Config)
+    for part in re.findall(r"[A-Za-z_]\w*", table):  # the names; an index picks one table of an array
+        if not isinstance(info, msgspec.inspect.StructType):
+            return []
+        fields = {f.name: f.type for f in info.fields}
+        if part not in fields:
+            return []
+        info = fields[part]
+        if isinstance(info, msgspec.inspect.VarTupleType | msgspec.inspect.ListType):
+            info = info.item_type
+    return [f.name for f in info.fields] if isinstance(info, msgspec.inspect.StructType) else []
 
 
 def load_config(path: str | Path | None, env: Mapping[str, str] | None = None) -> Config:

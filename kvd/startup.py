@@ -20,9 +20,7 @@ from __future__ import annotations
 import difflib
 import errno
 import re
-
-import msgspec
-import msgspec.inspect
+from collections.abc import Callable
 
 from protocol.errors import KvdError
 
@@ -70,12 +68,14 @@ _UNKNOWN_FIELD = re.compile(r"^Object contains unknown field `(?P<key>[^`]*)`$")
 _MISSING_FIELD = re.compile(r"^Object missing required field `(?P<key>[^`]*)`$")
 
 
-def config_error(path: str | None, exc: KvdError) -> StartupError:
+def config_error(path: str | None, exc: KvdError, keys_of: Callable[[str], list[str]] | None = None) -> StartupError:
     """A configuration that cannot be read or is invalid (exit :data:`EX_CONFIG`).
 
     When the error names where it is (msgspec's ``... - at `$.transfer.chunk_mb```), the line
     starts with that setting, as every startup error does; an unknown key comes with the known
-    key it most resembles (a typo is the usual cause)."""
+    key it most resembles (a typo is the usual cause), among ``keys_of(table)``
+    (:func:`kvd.config.table_keys`: passed in, as the layer below this one must not import the
+    configuration)."""
     where = path or "(no file: defaults and KVD_* variables)"
     todo = "fix the configuration (systemd/kvd.toml shows and explains every key)"
     # msgspec: "<what> - at `$.pools[0].num_blocks`"; no location when <what> is at the top level
@@ -84,7 +84,7 @@ def config_error(path: str | None, exc: KvdError) -> StartupError:
     if unknown := _UNKNOWN_FIELD.match(what):
         key = unknown.group("key")
         setting = f"{table}.{key}" if table else key
-        close = difflib.get_close_matches(key, _keys_of(table), n=1)
+        close = difflib.get_close_matches(key, keys_of(table) if keys_of else [], n=1)
         hint = f" (did you mean {close[0]}?)" if close else ""
         problem = f"unknown key in {_table_name(table)} of {where}{hint}"
     elif missing := _MISSING_FIELD.match(what):
@@ -106,22 +106,6 @@ def _table_name(table: str) -> str:
     if array := re.fullmatch(r"(\w+)\[(\d+)\]", table):
         return f"[[{array.group(1)}]] #{int(array.group(2)) + 1}"
     return f"[{table}]"
-
-
-def _keys_of(table: str) -> list[str]:
-    """The keys the configuration table at ``table`` (``""``, ``transfer``, ``pools[0]``) accepts."""
-    from kvd.config import Config  # here: only a failed startup needs it
-
-    info: msgspec.inspect.Type = msgspec.inspect.type_info(Config)
-    for part in re.findall(r"[A-Za-z_]\w*", table):  # the names; an index picks one table of an array
-        if isinstance(info, msgspec.inspect.StructType):
-            fields = {f.name: f.type for f in info.fields}
-            if part not in fields:
-                return []
-            info = fields[part]
-        if isinstance(info, msgspec.inspect.VarTupleType | msgspec.inspect.ListType):
-            info = info.item_type
-    return [f.name for f in info.fields] if isinstance(info, msgspec.inspect.StructType) else []
 
 
 def _leaves(exc: BaseException) -> list[BaseException]:

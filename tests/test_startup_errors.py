@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from kvd.config import load_config
+from kvd.config import load_config, table_keys
 from kvd.demo.launch import write_config
 from kvd.startup import EX_CONFIG, StartupError, config_error, explain
 from protocol.errors import BadRequest
@@ -223,7 +223,7 @@ def test_config_errors_start_with_the_setting(short_tmp: Path, toml: str, line: 
     path.write_text(toml)
     with pytest.raises(BadRequest) as info:
         load_config(path, env={})
-    error = config_error(str(path), info.value)
+    error = config_error(str(path), info.value, table_keys)
     assert error.message.startswith(line.format(path=path)), error.message
     assert error.message.endswith("fix the configuration (systemd/kvd.toml shows and explains every key)")
     assert error.exit_code == EX_CONFIG and error.message.startswith(f"{error.setting}: ")
