@@ -264,7 +264,7 @@ def _common_options(parser: argparse.ArgumentParser, *, with_defaults: bool) -> 
     parser.add_argument("--socket", "-s", default=default(None),
                         help="daemon socket (default $KVD_SOCKET or /run/kvd/kvd.sock)")
     parser.add_argument("--json", action="store_true", default=default(False), help="machine-readable output (JSON)")
-    parser.add_argument("--timeout", type=_positive, default=default(10.0), help="seconds to wait for the daemon")
+    parser.add_argument("--timeout", type=_positive, default=default(10.0), help="seconds to wait for the daemon (default 10)")
 
 
 def _positive(text: str) -> float:
@@ -346,7 +346,7 @@ def build_parser() -> argparse.ArgumentParser:
     _paging_options(p_tr, "transfers")
     p_tr.add_argument("--watch", "-w", action="store_true", help="refresh until interrupted (Ctrl-C)")
     p_tr.add_argument("--interval", "-n", type=_positive, default=1.0, help="seconds between refreshes (default 1)")
-    p_tr.add_argument("--count", "-c", type=_count, default=0, help="stop after this many refreshes (implies --watch)")
+    p_tr.add_argument("--count", "-c", type=_count, default=0, help="stop after this many refreshes (implies --watch; default 0: until interrupted)")
     return parser
 
 

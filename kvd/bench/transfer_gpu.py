@@ -199,18 +199,18 @@ def build_parser() -> argparse.ArgumentParser:
         description="The GPT-OSS-120B ctx TP1 -> gen TP4 scenario on two GPUs: the contiguous-copy ceiling, then "
                     "end to end through the daemons (mapped path and NIXL bounce pipeline), per request size.",
     )
-    parser.add_argument("--device", default="cuda", help="cuda (this benchmark needs two GPUs)")
+    parser.add_argument("--device", default="cuda", help="cuda, the default (this benchmark needs two GPUs)")
     parser.add_argument("--blocks", type=int, default=256, help="request size in blocks (2.25 MiB each; default 256)")
     parser.add_argument("--repeat", type=int, default=5, help="timed runs of each measurement, the best shown (default 5)")
     parser.add_argument("--chunk-mb", type=int, default=64, help="bounce chunk size in MiB (default 64)")
     parser.add_argument("--bounce-mb", type=int, default=512, help="bounce buffer size in MiB (default 512)")
-    parser.add_argument("--sizes", default="1,4,16,64,256", help="block counts for the size sweep")
+    parser.add_argument("--sizes", default="1,4,16,64,256", help="block counts for the size sweep (default 1,4,16,64,256)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     parser.add_argument("--plot", default="", help="write a PNG of GB/s against request size")
     parser.add_argument("--json-out", default="", help="also write the JSON report to this file")
     parser.add_argument("--latency-sizes", default="1,4,16,64",
-                        help="request sizes (blocks) for the latency table, gen-first and ctx-first; '' = skip")
-    parser.add_argument("--latency-repeat", type=int, default=30, help="requests per latency row")
+                        help="request sizes (blocks) for the latency table, gen-first and ctx-first; '' = skip (default 1,4,16,64)")
+    parser.add_argument("--latency-repeat", type=int, default=30, help="requests per latency row (default 30)")
     return parser
 
 

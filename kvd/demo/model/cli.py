@@ -61,21 +61,21 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="host pools (default) or GPU pools")
     parser.add_argument("--gen-tp", type=int, choices=[2, 4], default=4, help="TP size of the gen side (default 4)")
     parser.add_argument("--order", choices=["gen-first", "ctx-first"], default="gen-first",
-                        help="which side registers the requests with its daemon first")
+                        help="which side registers the requests with its daemon first (default gen-first)")
     parser.add_argument("--dtype", choices=sorted(LOGIT_TOLERANCE), default="float32",
-                        help="weights and KV cache dtype (arithmetic is float32)")
-    parser.add_argument("--prompts", default="5,16,37,90,130", help="prompt lengths, comma-separated")
-    parser.add_argument("--new-tokens", type=int, default=24, help="tokens each gen decode produces")
-    parser.add_argument("--tokens-per-block", type=int, default=16, help="tokens per block of the ctx pool")
+                        help="weights and KV cache dtype (default float32; arithmetic is float32)")
+    parser.add_argument("--prompts", default="5,16,37,90,130", help="prompt lengths, comma-separated (default 5,16,37,90,130)")
+    parser.add_argument("--new-tokens", type=int, default=24, help="tokens each gen decode produces (default 24)")
+    parser.add_argument("--tokens-per-block", type=int, default=16, help="tokens per block of the ctx pool (default 16)")
     parser.add_argument("--gen-tokens-per-block", type=int, default=0,
                         help="tokens per block of the gen pools (default: the ctx pool's; one must divide the other)")
     parser.add_argument("--no-mapped", dest="mapped", action="store_false",
                         help="move KV over NIXL instead of the same-node mapped path")
     parser.add_argument("--gen-axis-order", choices=sorted(AXIS_ORDERS), default="trtllm",
-                        help="axis order of the gen pools (the ctx pool is TensorRT-LLM's)")
+                        help="axis order of the gen pools (default trtllm; the ctx pool is TensorRT-LLM's)")
     parser.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto",
-                        help="torch.distributed backend of the gen TP group")
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads per executor")
+                        help="torch.distributed backend of the gen TP group (default auto: nccl when each gen rank has a GPU of its own, else gloo)")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads per executor (default 1)")
     parser.add_argument("--keep", action="store_true", help="keep the work directory (configs, logs)")
     return parser
 
