@@ -92,7 +92,9 @@ def plain_columns(columns: list[str], rows: list[list[Any]]) -> str:
 
 def _pools_rows(pools: list[m.PoolInfo]) -> list[list[Any]]:
     return [
-        [p.name, p.kind, p.device, p.fallback_reason or "-", p.blocks_used, p.blocks_free, p.sessions, _gb(p.pool_bytes)]
+        # a host pool has no GPU: "-" rather than its device -1 (JSON keeps the number)
+        [p.name, p.kind, p.device if p.device >= 0 else "-", p.fallback_reason or "-", p.blocks_used, p.blocks_free,
+         p.sessions, _gb(p.pool_bytes)]
         for p in pools
     ]
 

@@ -102,7 +102,8 @@ def test_ping_pools_sessions(served: Any) -> None:
     run = kvctl("pools", socket=d.socket_path)
     assert run.returncode == 0
     row = next(line for line in run.stdout.splitlines() if "host0" in line)
-    assert row.split()[:6] == ["host0", "host", "-1", "-", "3", "61"]  # plain columns: stdout is a pipe
+    assert row.split()[:6] == ["host0", "host", "-", "-", "3", "61"]  # plain columns; a host pool has no GPU
+    assert pools["host0"]["device"] == -1  # JSON keeps the number
 
     sessions = {s["client"]: s for s in ok_json("sessions", socket=d.socket_path)}
     assert sessions["holder"]["blocks_leased"] == 3 and sessions["holder"]["requests"] == 1
@@ -278,8 +279,8 @@ def test_tables_are_plain_and_whole_off_a_terminal(served: Any) -> None:
     lines = run.stdout.splitlines()
     assert lines[0] == "pools"
     assert lines[1].split() == ["pool", "kind", "device", "fallback", "used", "free", "sessions", "size"]
-    assert lines[2].split() == ["host0", "host", "-1", "-", "3", "61", "1", "16.0", "MiB"]
-    assert lines[3].split() == ["host1", "host", "-1", "-", "0", "16", "0", "4.0", "MiB"]
+    assert lines[2].split() == ["host0", "host", "-", "-", "3", "61", "1", "16.0", "MiB"]
+    assert lines[3].split() == ["host1", "host", "-", "-", "0", "16", "0", "4.0", "MiB"]
     assert "│" not in run.stdout and "…" not in run.stdout
 
     import pty
