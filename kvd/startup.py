@@ -100,11 +100,11 @@ def config_error(path: str | None, exc: KvdError, keys_of: Callable[[str], list[
 
 
 def _table_name(table: str) -> str:
-    """``pools[0]`` -> ``[[pools]] #1``, ``transfer`` -> ``[transfer]``, ``""`` -> the top level."""
+    """``pools[0]`` -> ``[[pools]] table 1``, ``transfer`` -> ``[transfer]``, ``""`` -> the top level."""
     if not table:
         return "the top level"
     if array := re.fullmatch(r"(\w+)\[(\d+)\]", table):
-        return f"[[{array.group(1)}]] #{int(array.group(2)) + 1}"
+        return f"[[{array.group(1)}]] table {int(array.group(2)) + 1}"
     return f"[{table}]"
 
 

@@ -208,12 +208,12 @@ def test_config_unknown_key_in_a_table(short_tmp: Path) -> None:
 
 @pytest.mark.parametrize(("toml", "line"), [
     ('[[pools]]\nname = "a"\nnum_block = 4\n',
-     "pools[0].num_block: unknown key in [[pools]] #1 of {path} (did you mean num_blocks?)"),
+     "pools[0].num_block: unknown key in [[pools]] table 1 of {path} (did you mean num_blocks?)"),
     ('[[peers]]\nname = "g"\nhost = "h"\nport = 1\n[[peers]]\nname = "h"\nhost = "h"\nprot = 1\n',
-     "peers[1].prot: unknown key in [[peers]] #2 of {path} (did you mean port?)"),
+     "peers[1].prot: unknown key in [[peers]] table 2 of {path} (did you mean port?)"),
     ("[tranfser]\nchunk_mb = 4\n", "tranfser: unknown key in the top level of {path} (did you mean transfer?)"),
     ("[access]\nzzz = 1\n", "access.zzz: unknown key in [access] of {path}; fix"),
-    ('[[pools]]\nmemory = "host"\n', "pools[0].name: required key missing from [[pools]] #1 of {path}"),
+    ('[[pools]]\nmemory = "host"\n', "pools[0].name: required key missing from [[pools]] table 1 of {path}"),
     ('[[pools]]\nname = "a"\nmemory = "hots"\n', "pools[0].memory: invalid enum value 'hots' (in {path})"),
 ])
 def test_config_errors_start_with_the_setting(short_tmp: Path, toml: str, line: str) -> None:
