@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = [
         ("kvd end to end, same-node mapped path", mapped["gbps"], f"{mapped['path']}, verified={mapped['verified']}"),
         ("kvd end to end, NIXL bounce pipeline", nixl["gbps"],
-         f"{nixl['path']}, {nixl['chunks']} chunks of {args.chunk_mb} MiB, verified={nixl['verified']}"),
+         f"{nixl['path']}, {nixl['chunks']} chunks of <= {args.chunk_mb} MiB, verified={nixl['verified']}"),
         ("raw NIXL write, 64 MiB descriptors", raw["large"]["gbps"], f"{raw['large']['ndescs']} descriptors"),
         ("raw NIXL write, per-fragment descriptors", raw["per_fragment"]["gbps"],
          f"{raw['per_fragment']['ndescs']} x {raw['per_fragment']['desc_bytes']} B"),
