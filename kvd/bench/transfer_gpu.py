@@ -5,7 +5,8 @@ pools on GPU 1; memory policy ``auto`` (fabric probe, device fallback). Measured
 
 - the ceiling: a contiguous GPU0 -> GPU1 copy of the same bytes;
 - end to end through the daemons (executor publish -> completion): the same-node ``mapped``
-  path and the NIXL bounce pipeline (``mapped`` off);
+  path and the NIXL bounce pipeline (``mapped`` off); the gen executors expect first and name
+  the ctx daemon, so bytes move with no peer round trip (the deployment's fast path);
 - raw NIXL/UCX writes of the same bytes between two processes (GPU0 -> GPU1, cudaMalloc
   memory): 64 MiB descriptors, and one descriptor per 8 KiB regroup fragment;
 - the ratios; ``--json`` for machines, ``--plot PNG`` for GB/s against request size.
@@ -182,7 +183,8 @@ def _e2e(workdir: Path, max_blocks: int, sizes: list[int], repeat: int, mapped: 
             c = results["ctx0"]
             done_lines = [json.loads(line) for line in ctx_d.log().splitlines() if '"transfer.done"' in line]
             stages = done_lines[-1].get("stages") if done_lines else None
-            by_size[n] = {"stages": stages, "bytes": c.bytes, "path": c.path, "chunks": c.chunks, "best_s": min(walls),
+            rtt = done_lines[-1].get("round_trips") if done_lines else None
+            by_size[n] = {"stages": stages, "round_trips": rtt, "bytes": c.bytes, "path": c.path, "chunks": c.chunks, "best_s": min(walls),
                           "median_s": statistics.median(walls), "gbps": c.bytes / min(walls) / 1e9,
                           "daemon_gbps": c.bytes / c.duration_s / 1e9 if c.duration_s else 0.0, "verified": ok}
         kinds = [line for line in ctx_d.log().splitlines() if '"pool.fabric_unavailable"' in line]
@@ -270,9 +272,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvd bench transfer --device cuda: GPT-OSS-120B KV ctx TP1 (GPU0) -> gen TP4 (GPU1), "
               f"{args.blocks} blocks = {nbytes / MiB:.0f} MiB, best of {args.repeat}")
         print(f"  contiguous GPU0->GPU1 copy (ceiling)       {ceiling:8.1f} GB/s")
-        print(f"  kvd end to end, mapped path                {m['gbps']:8.1f} GB/s   path={m['path']} verified={m['verified']}")
+        print(f"  kvd end to end, mapped path                {m['gbps']:8.1f} GB/s   path={m['path']} verified={m['verified']} "
+              f"round_trips={m.get('round_trips')}")
         print(f"  kvd end to end, NIXL bounce pipeline       {b['gbps']:8.1f} GB/s   path={b['path']} "
-              f"chunks={b['chunks']} verified={b['verified']}")
+              f"chunks={b['chunks']} verified={b['verified']} round_trips={b.get('round_trips')}")
         print(f"  raw NIXL write, 64 MiB descriptors         {raw['large']['gbps']:8.1f} GB/s")
         print(f"  raw NIXL write, per 8 KiB fragment         {raw['per_fragment']['gbps']:8.2f} GB/s")
         for k, v in report["ratios"].items():

@@ -115,13 +115,18 @@ def start_pools_pair(
 class Scenario:
     """ctx TP1 -> gen TP4 between two running daemons: executors attached, blocks leased once.
 
-    ``transfer()`` runs one request (ctx executor publishes, four gen executors wait, each in
-    its own thread with its own blocking client); ``verify()`` checks every gen rank's blocks
+    ``transfer()`` runs one request (the four gen executors expect it, naming the ctx daemon
+    unless ``gen_peer=""``; the ctx executor publishes; every executor waits, each in its own
+    thread with its own blocking client); ``verify()`` checks every gen rank's blocks
     against the ctx data.
     """
 
-    def __init__(self, ctx_d: DaemonProcess, gen_d: DaemonProcess, blocks: int, *, seed: int = 1234) -> None:
+    def __init__(self, ctx_d: DaemonProcess, gen_d: DaemonProcess, blocks: int, *, seed: int = 1234,
+                 gen_peer: str = "ctx") -> None:
         self.blocks = blocks
+        # gen naming its ctx peer (as a router would tell it) announces its destination: the
+        # publish finds it and moves bytes with no peer round trip; "" is offer/accept (one)
+        self.gen_peer = gen_peer
         self.ctx_layout = KVLayout(**GEOMETRY, tp_size=1)
         self.gen_layout = KVLayout(**GEOMETRY, tp_size=4)
         self.ctx = Client(ctx_d.socket_path, client="ctx-rank0")
@@ -146,7 +151,7 @@ class Scenario:
             pool.tensor[self.gen_ids[r]] = 0
             if pool.tensor.is_cuda:
                 torch.cuda.synchronize(pool.tensor.device)
-            c.expect(request, f"gen{r}", self.gen_layout, r, self.gen_ids[r])
+            c.expect(request, f"gen{r}", self.gen_layout, r, self.gen_ids[r], peer=self.gen_peer)
         results: dict[str, Completion] = {}
         errors: list[BaseException] = []
 
