@@ -6,6 +6,10 @@ regroup kernel) can replace one without touching the paths.
 - :func:`regroup_kernel`: the same on GPUs with the run-time compiled regroup kernel
   (:mod:`kvd.regroup.apply`): one launch per source rank, completion by CUDA event polled
   from the event loop (no worker thread, no blocking wait).
+- :func:`copy_runs`: equal layouts whose blocks form a few long contiguous runs, one
+  ``cuMemcpyAsync`` per run on the copy engines (:mod:`kvd.regroup.gpu_copy`), completion by
+  CUDA event as for the kernel. A long run is a plain copy at the link's speed; the kernel
+  reaches ~0.9 of that (measured on H200, see docs/performance.md).
 
 The bounce path's gathers and scatters are :func:`kvd.regroup.apply.gather_chunk` /
 :func:`~kvd.regroup.apply.scatter_chunk`, launched by :mod:`kvd.transfer.paths.bounce` itself.
@@ -13,8 +17,11 @@ The bounce path's gathers and scatters are :func:`kvd.regroup.apply.gather_chunk
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Callable
+from typing import Any, Literal
 
+import numpy as np
+import numpy.typing as npt
 import torch
 import trio
 
@@ -72,22 +79,76 @@ async def regroup_kernel(
                 for s in p.src_ranks()]
     t1 = time.perf_counter()
     mark("launched")
-    try:
-        for c in launched:
-            # trio's timers wake at millisecond resolution: sleep through most of the expected
-            # time, then poll the event at every checkpoint
-            expected = c.nbytes / KERNEL_LINK_BPS
-            if expected > 2e-3 and not c.done():
-                await trio.sleep(expected - 1e-3)
-            while not c.done():
-                await trio.sleep(0)
-    finally:
-        with trio.CancelScope(shield=True):
-            for c in launched:
-                while not c.done():
-                    await trio.sleep(0)
+    await until_done([(c.done, c.nbytes) for c in launched])
     mark("gpu done")
     if timings is not None:
         timings.update({"gpu_enqueue_s": round(t1 - t0, 6), "gpu_wait_s": round(time.perf_counter() - t1, 6),
                         "gpu_kernel_launches": len(launched), "gpu_kernel_pull": int(launch_on == "dst")})
     return sum(c.nbytes for c in launched)
+
+
+async def until_done(work: list[tuple[Callable[[], bool], int]]) -> None:
+    """Wait, from the event loop, until every ``(done, nbytes)`` GPU work item reports done;
+    even when cancelled (work already enqueued cannot be stopped, so the bytes it writes must
+    have landed before anyone hears it ended)."""
+    try:
+        for done, nbytes in work:
+            # trio's timers wake at millisecond resolution: sleep through most of the expected
+            # time, then poll the event at every checkpoint
+            expected = nbytes / KERNEL_LINK_BPS
+            if expected > 2e-3 and not done():
+                await trio.sleep(expected - 1e-3)
+            while not done():
+                await trio.sleep(0)
+    finally:
+        with trio.CancelScope(shield=True):
+            for done, _ in work:
+                while not done():
+                    await trio.sleep(0)
+
+
+#: Copy streams by device, made on first use and kept (creating one costs driver time).
+_COPY_STREAMS: dict[int, Any] = {}
+#: (device, peer) pairs whose peer access was enabled (or found impossible: False).
+_PEER_ACCESS: dict[tuple[int, int], bool] = {}
+
+
+async def copy_runs(
+    runs: dict[tuple[int, int], npt.NDArray[np.int64]], src_ptr: dict[int, int], dst_ptr: dict[int, int],
+    device_of: dict[tuple[int, int], tuple[int, int]], *, timings: dict[str, float] | None = None,
+) -> int:
+    """Contiguous runs ``(src offset, dst offset, nbytes)`` of each (source rank, destination
+    rank) pair, one ``cuMemcpyAsync`` each on the copy engines of ``device_of[pair][0]`` (the
+    source's device, or the destination's for CUDA IPC mappings, which only their own GPU's
+    context addresses; ``device_of[pair][1]`` is the other side's device, given peer access);
+    returns the bytes once every copy landed."""
+    import time
+
+    from kvd.regroup import gpu_copy
+
+    t0 = time.perf_counter()
+    used: dict[int, Any] = {}
+    nbytes = 0
+    for pair, r in runs.items():
+        dev, other = device_of[pair]
+        stream = _COPY_STREAMS.get(dev)
+        if stream is None:
+            stream = _COPY_STREAMS[dev] = gpu_copy.CopyStream(dev)
+        if (dev, other) not in _PEER_ACCESS:
+            _PEER_ACCESS[dev, other] = gpu_copy.enable_peer_access(dev, other)
+        used[dev] = stream
+        s, d = pair
+        for src_off, dst_off, n in r.tolist():
+            gpu_copy.copy_contiguous(src_ptr[s] + src_off, dst_ptr[d] + dst_off, n, stream)
+            nbytes += n
+    events = [stream.record() for stream in used.values()]
+    t1 = time.perf_counter()
+    try:
+        await until_done([(ev.query, nbytes // len(events)) for ev in events])
+    finally:
+        for ev in events:
+            ev.close()
+    if timings is not None:
+        timings.update({"gpu_enqueue_s": round(t1 - t0, 6), "gpu_wait_s": round(time.perf_counter() - t1, 6),
+                        "gpu_copy_runs": sum(len(r) for r in runs.values())})
+    return nbytes
