@@ -10,23 +10,23 @@ from kvd.regroup.plan import KVLayout, plan
 from kvd.transfer.paths.mapped import COPY_ENGINE_MAX_RUNS, COPY_ENGINE_MIN_RUN, copy_engine_runs
 
 GPT_OSS = {"num_layers": 36, "num_kv_heads": 8, "head_dim": 64, "tokens_per_block": 32, "dtype": "bfloat16",
-           "num_blocks": 1024}
+           "num_blocks": 4096}
 BLOCK = 36 * 8 * 64 * 32 * 2 * 2  # 2.25 MiB at TP1
 
 
 def test_consecutive_blocks_of_equal_layouts_are_one_run_per_pair() -> None:
     one = KVLayout(**GPT_OSS)  # type: ignore[arg-type]
-    runs = copy_engine_runs(plan(one, one, {0: list(range(16))}, {0: list(range(100, 116))}))
+    runs = copy_engine_runs(plan(one, one, {0: list(range(64))}, {0: list(range(100, 164))}))
     assert runs is not None and list(runs) == [(0, 0)]
-    assert runs[0, 0].tolist() == [[0, 100 * BLOCK, 16 * BLOCK]]
+    assert runs[0, 0].tolist() == [[0, 100 * BLOCK, 64 * BLOCK]]
 
 
 def test_equal_tp2_is_one_run_per_rank() -> None:
     tp2 = KVLayout(**GPT_OSS, tp_size=2)  # type: ignore[arg-type]
-    ids = {0: list(range(32)), 1: list(range(32))}
+    ids = {0: list(range(128)), 1: list(range(128))}
     runs = copy_engine_runs(plan(tp2, tp2, ids, ids))
     assert runs is not None and sorted(runs) == [(0, 0), (1, 1)]
-    assert all(r[:, 2].tolist() == [32 * BLOCK // 2] for r in runs.values())
+    assert all(r[:, 2].tolist() == [128 * BLOCK // 2] for r in runs.values())
 
 
 def test_the_kernel_keeps_regroups_short_runs_and_scattered_blocks() -> None:

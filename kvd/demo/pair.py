@@ -112,6 +112,16 @@ def start_pools_pair(
     return ctx, gen
 
 
+def wait_for_link(client: Client, node: str, timeout_s: float = 60.0) -> None:
+    """Wait until the daemon behind ``client`` has a link up to ``node`` (a gen ``expect``
+    naming a peer that never connected is refused: the daemons start in any order)."""
+    deadline = time.monotonic() + timeout_s
+    while not any(p.node == node and p.state == "up" for p in client.peers()):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no link to peer {node!r} after {timeout_s:.0f} s")
+        time.sleep(0.02)
+
+
 class Scenario:
     """ctx TP1 -> gen TP4 between two running daemons: executors attached, blocks leased once.
 
@@ -131,6 +141,8 @@ class Scenario:
         self.gen_layout = KVLayout(**GEOMETRY, tp_size=4)
         self.ctx = Client(ctx_d.socket_path, client="ctx-rank0")
         self.gens = [Client(gen_d.socket_path, client=f"gen-rank{r}") for r in range(4)]
+        if gen_peer:
+            wait_for_link(self.gens[0], gen_peer)
         self.ctx_pool = self.ctx.attach("ctx0")
         self.ctx_ids = self.ctx.alloc("ctx0", blocks)
         self.gen_pools = [c.attach(f"gen{r}") for r, c in enumerate(self.gens)]

@@ -55,14 +55,14 @@ async def test_gpu_equal_layouts_in_long_runs_go_to_the_copy_engines(
     daemon_factory: Callable[..., DaemonProcess], short_tmp: Path
 ) -> None:
     """TP1 -> TP1 with consecutive blocks on both sides (GPT-OSS-120B blocks, 2.25 MiB each):
-    the mapped path copies one 36 MiB run with the copy engines, byte-exact, bytes outside the
+    the mapped path copies one 288 MiB run with the copy engines, byte-exact, bytes outside the
     request untouched (the harness's sentinels)."""
     import json
 
     layout = KVLayout(num_layers=36, num_kv_heads=8, head_dim=64, tokens_per_block=32, dtype="bfloat16")
-    pair = start_pair(daemon_factory, short_tmp, layout, layout, num_blocks=32, mapped=True, memory="auto",
+    pair = start_pair(daemon_factory, short_tmp, layout, layout, num_blocks=160, mapped=True, memory="auto",
                       ctx_device=0, gen_device=_gen_device(), transfer={"bounce_size_mb": 16, "chunk_mb": 4})
-    out = await run_transfer(pair, layout, layout, request_id="gpu-runs", blocks=16, gen_peer="ctx")
+    out = await run_transfer(pair, layout, layout, request_id="gpu-runs", blocks=128, gen_peer="ctx")
     assert_exact(out, layout)
     for c in [*out.ctx.values(), *out.gen.values()]:
         assert c.ok and c.path == "mapped", c
