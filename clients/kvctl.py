@@ -219,6 +219,11 @@ def run(args: argparse.Namespace) -> int:
         elif cmd == "drain":
             kvd.drain()
             _out(args, {"ok": True}, lambda: print("draining: the daemon finishes in-flight transfers and exits"))
+        elif cmd == "cancel":
+            kvd.cancel(args.request_id, force=True)
+            _out(args, {"ok": True, "request_id": args.request_id},
+                 lambda: print(f"cancelled {args.request_id!r}: its sides here fail with transfer_cancelled once "
+                               "no write into their blocks can land (kvctl transfers shows them)"))
         elif cmd == "config":
             cfg = kvd.config()
             print(cfg if args.json else msgspec.json.format(cfg.encode(), indent=2).decode())
@@ -341,6 +346,11 @@ def build_parser() -> argparse.ArgumentParser:
     p_ping = sub.add_parser("ping", parents=[common], help=helps["ping"], description=helps["ping"])
     p_ping.add_argument("--wait", type=_positive, metavar="SECONDS",
                         help="retry until the daemon answers or SECONDS pass (scripts that start kvd)")
+    cancel_help = "cancel a request of any executor (operators only: root, the daemon's user, [access] operator_gids)"
+    p_cancel = sub.add_parser("cancel", parents=[common], help=cancel_help,
+                              description=cancel_help + "; its executors' waits raise TransferCancelled and a "
+                                          "transfer in flight stops once its writes have ended")
+    p_cancel.add_argument("request_id", metavar="REQUEST_ID", help="the request id, as kvctl transfers shows it")
     p_tr = sub.add_parser("transfers", parents=[common], help="transfers in progress and recently finished",
                           description="transfers in progress and recently finished, with their progress; all of "
                                       "them unless --offset/--limit pick a window (the daemon's pages are "

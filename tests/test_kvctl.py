@@ -23,6 +23,7 @@ from clients import Client
 from clients.kvctl import _bar, _transfer_rows, fetch_pages
 from kvd.demo.launch import DaemonProcess, start_daemon
 from protocol import messages as m
+from protocol.errors import TransferCancelled
 from protocol.layout import KVLayout
 from tests.conftest import host_pool
 
@@ -445,6 +446,9 @@ def test_peers_and_ctx_duration_from_the_match(pair: tuple[DaemonProcess, Daemon
         assert line["duration_s"] == pytest.approx(done.duration_s, abs=1e-5)
         assert line["round_trips"] == 1 and "planned" in line["stages"]  # the offer waited for gen's accept
         assert [p.transfers_active for p in ctx.peers()] == [0]
+        # gen's expect named no peer: its row names the daemon that matched it
+        (row_gen,) = [t for t in gen.transfers() if t.request_id == "late-gen"]
+        assert row_gen.peer == "ctx" and row_gen.state == "done"
     finally:
         ctx.close()
         gen.close()
@@ -590,3 +594,24 @@ def test_a_daemon_without_pools_says_so(daemon_factory: Callable[..., DaemonProc
     other = daemon_factory(name="withpools")
     assert events(other, "daemon.no_pools") == []
     assert "no pools configured" not in kvctl("status", socket=other.socket_path).stdout
+
+
+def test_cancel_any_sessions_request_as_operator(pair: tuple[DaemonProcess, DaemonProcess]) -> None:
+    """``kvctl cancel`` is the operator's force-cancel: the executor's wait raises TransferCancelled."""
+    _ctx_d, gen_d = pair
+    gen = Client(gen_d.socket_path, client="gen", timeout=10)
+    try:
+        layout = gen.pools()[0].layout
+        assert layout is not None
+        gen.expect("stuck-1", "gen0", layout, 0, gen.alloc("gen0", 2), deadline_s=120)
+        run = kvctl("cancel", "stuck-1", socket=gen_d.socket_path)
+        assert run.returncode == 0, run.stderr
+        assert "cancelled 'stuck-1'" in run.stdout
+        with pytest.raises(TransferCancelled, match="cancelled by an operator"):
+            gen.wait("stuck-1", timeout_s=30)
+        # an unknown request: the daemon's error, exit 1
+        run = kvctl("cancel", "no-such-request", socket=gen_d.socket_path)
+        assert run.returncode == 1 and "no-such-request" in run.stderr, (run.returncode, run.stderr)
+        assert kvctl("cancel", socket=gen_d.socket_path).returncode == 2  # the id is required
+    finally:
+        gen.close()

@@ -85,6 +85,7 @@ async def test_deadline_expiry_when_gen_never_expects(daemon_factory: Factory, s
     t0 = time.monotonic()
     res = await publish_ctx(pair.ctx, "r-noexpect", deadline_s=1.0)
     assert isinstance(res, TransferTimeout), res
+    assert "peer 'gen' never accepted the offer" in str(res) and "gen rank" in str(res)  # says where to look
     assert time.monotonic() - t0 < 3.0
     await assert_clean(pair.ctx, pair.gen)
 

@@ -107,7 +107,8 @@ class Side:
         return m.TransferInfo(
             request_id=self.request_id,
             role=self.role,
-            peer=self.peer,
+            # a gen side that named no peer: the daemon whose offer matched it
+            peer=self.peer or (self.completion.peer if self.completion is not None else ""),
             state=self.state,
             bytes_total=self.bytes_total,
             bytes_done=self.bytes_done,

@@ -375,6 +375,13 @@ class Transfer:
                     self.feed(f.LocalFailure(role, PeerUnavailable.code,
                                              f"request {self.request_id!r}: {links.describe_missing(self.peer)} "
                                              "before the deadline"))
+                elif st is f.State.OFFERED:
+                    # the offer went out and the peer never gave a destination: its gen side
+                    # (which knows which ranks are missing) never became complete
+                    self.feed(f.LocalFailure(role, TransferTimeout.code,
+                                             f"request {self.request_id!r} (ctx): peer {self.peer!r} never accepted "
+                                             "the offer before the deadline: not every gen rank registered "
+                                             "(expect) there; its log names the missing ranks"))
 
     def _fail_here(self, exc: KvdError) -> None:
         for role in list(self.machine.here):
@@ -811,7 +818,8 @@ class Transfer:
 
     # -- inspection ------------------------------------------------------------------------------------
     def info(self) -> list[m.TransferInfo]:
-        return [msgspec.structs.replace(s.info(), state=s.state if s.completion else self._state_of(r))
+        return [msgspec.structs.replace(s.info(), state=s.state if s.completion else self._state_of(r),
+                                        peer=s.peer or self.peer)
                 for r, s in self.sides.items()]
 
     def _state_of(self, role: f.Role) -> str:
