@@ -7,6 +7,7 @@ import math
 
 import pytest
 import trio
+import trio.testing
 from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 from structlog.testing import capture_logs
@@ -200,14 +201,31 @@ async def test_connection_cap() -> None:
             lambda task_status: serve_metrics(m, max_connections=2, task_status=task_status)
         )
         idle = [await trio.open_tcp_stream("127.0.0.1", port) for _ in range(2)]
-        await trio.sleep(0.05)  # let the server accept them
-        status, _, _ = split(await http(port, b"GET /metrics HTTP/1.1\r\n\r\n"))
-        assert status == 503
+        # The server took both idle connections once a third is refused (503).
+        assert await _status_once_settled(port, 503) == 503
         for s in idle:
             await s.aclose()
-        await trio.sleep(0.05)
+        # ... and has seen them close once a request is served again (200).
+        assert await _status_once_settled(port, 200) == 200
         assert ("kvd_sessions", ()) in await scrape(port)
         nursery.cancel_scope.cancel()
+
+
+async def _status_once_settled(port: int, want: int) -> int:
+    """Request /metrics until the server answers ``want``; returns that status.
+
+    The server's accept loop and handlers run in this process: each try first waits until
+    every task is blocked, i.e. the server has handled what the kernel delivered so far. The
+    kernel may hand over a loopback connect or close a moment after our call returned, so an
+    answer other than ``want`` is retried (bounded); a server that never answers ``want``
+    fails the test.
+    """
+    with trio.fail_after(10):
+        while True:
+            await trio.testing.wait_all_tasks_blocked()
+            status, _, _ = split(await http(port, b"GET /metrics HTTP/1.1\r\n\r\n"))
+            if status == want:
+                return status
 
 
 async def test_bind_error_raises_before_started() -> None:

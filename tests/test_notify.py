@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import trio
+import trio.testing
 from structlog.testing import capture_logs
 
 from kvd.ops.notify import Notifier, run_watchdog
@@ -121,20 +122,25 @@ def test_watchdog_needs_notify_socket() -> None:
     assert Notifier({"WATCHDOG_USEC": "200000"}).watchdog_interval() is None
 
 
-async def test_watchdog_cadence(manager: Manager) -> None:
-    # Real time and a real socket: WATCHDOG_USEC=200 ms → a keep-alive every 100 ms.
+async def test_watchdog_cadence(manager: Manager, autojump_clock: trio.testing.MockClock) -> None:
+    # A real socket, virtual time: WATCHDOG_USEC=200 ms → a keep-alive every 100 ms. Each
+    # keep-alive is awaited as a datagram arriving, and its (virtual) arrival time checked.
     with Notifier(manager.env(WATCHDOG_USEC="200000")) as n:
         async with trio.open_nursery() as nursery:
+            t0 = trio.current_time()
             interval = await nursery.start(run_watchdog, n)
             assert interval == pytest.approx(0.1)
             # The first keep-alive is sent before started().
             assert manager.messages() == [{"WATCHDOG": "1"}]
-            await trio.sleep(0.55)
+            arrivals: list[float] = []
+            while len(arrivals) < 5:
+                await trio.lowlevel.wait_readable(manager.sock)
+                got = manager.messages()
+                assert got == [{"WATCHDOG": "1"}] * len(got)
+                arrivals += [trio.current_time() - t0] * len(got)
             nursery.cancel_scope.cancel()
-    later = manager.messages()
-    assert all(m == {"WATCHDOG": "1"} for m in later)
-    # 5 more expected in 0.55 s; allow scheduling slack on a loaded CI machine.
-    assert 3 <= len(later) <= 6, later
+    assert arrivals == pytest.approx([0.1, 0.2, 0.3, 0.4, 0.5])
+    assert manager.messages() == []
 
 
 async def test_watchdog_disabled_returns_at_once(manager: Manager) -> None:

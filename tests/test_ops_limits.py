@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import trio
+import trio.testing
 
 from clients import Client, open_client
 from clients.client import AsyncClient
@@ -75,6 +76,13 @@ def _events(d: DaemonProcess, event: str) -> list[dict[str, Any]]:
 async def _until(predicate: Any, what: str, timeout: float = 10.0) -> None:
     with trio.fail_after(timeout):
         while not await predicate():
+            await trio.sleep(0.02)
+
+
+async def _until_logged(d: DaemonProcess, event: str, client: str, *, count: int, timeout: float = 10.0) -> None:
+    """Wait until ``d`` logged ``event`` for ``count`` sessions of ``client``."""
+    with trio.fail_after(timeout):
+        while len([r for r in _events(d, event) if r.get("client") == client]) < count:
             await trio.sleep(0.02)
 
 
@@ -174,7 +182,10 @@ async def test_max_inflight_registrations_and_waits(limited: DaemonProcess) -> N
         async with trio.open_nursery() as nursery:
             for i in range(MAX_INFLIGHT):
                 nursery.start_soon(_wait_quietly, busy, f"inflight-{i}")
-            await trio.sleep(0.2)  # let both Waits reach the daemon
+            # both Wait frames are sent once their tasks block on the reply; the daemon reads a
+            # session's frames in order, so the Pong proves it took both Waits in flight
+            await trio.testing.wait_all_tasks_blocked()
+            assert await busy.ping(b"after the waits") == b"after the waits"
             with pytest.raises(LimitExceeded, match=f"max_inflight_per_session={MAX_INFLIGHT} reached"):
                 await busy.wait("inflight-0", timeout_s=5)
             # the session itself still answers quick requests, and other sessions are unaffected
@@ -227,14 +238,16 @@ async def test_client_vanishing_mid_reply_does_not_take_the_daemon_down(limited:
     path = limited.socket_path
     await _idle(path)
     async with open_client(path, client="bystander") as other:
-        for _ in range(5):
+        for n in range(5):
             raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             raw.connect(path)
             pings = b"".join(encode(m.Ping(id=i + 2, payload=b"p" * 1000)) for i in range(50))
             raw.sendall(encode(m.Hello(id=1, version=m.PROTOCOL_VERSION, client="vanishing")) + pings)
             raw.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
             raw.close()  # RST while the daemon writes 50 Pongs
-        await trio.sleep(0.3)
+            # the daemon reads queued data before the reset, so it took the Hello and must end
+            # the session; one at a time, so that max_sessions never refuses one of them
+            await _until_logged(limited, "session.closed", "vanishing", count=n + 1)
         assert limited.proc.poll() is None, limited.log()[-3000:]
         await _bystander_works(other)
     await _idle(path)

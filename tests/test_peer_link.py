@@ -548,15 +548,18 @@ async def test_connect_with_backoff_reaches_a_server_that_starts_later() -> None
         async with trio.open_nursery() as nursery:
 
             async def start_server_later() -> None:
-                await trio.sleep(0.3)
+                # "later": once the client was refused and is backing off (its log line)
+                while not any(e["event"] == "peer.connect_retry" for e in logs):
+                    await trio.sleep(0.005)
+                server_started.set()
                 await nursery.start(partial(trio.serve_tcp, handler, port, host="127.0.0.1"))
 
+            server_started = trio.Event()
             nursery.start_soon(start_server_later)
-            t0 = trio.current_time()
             stream = await connect_with_backoff(
                 "127.0.0.1", port, initial=0.02, maximum=0.08, rng=random.Random(0)
             )
-            assert trio.current_time() - t0 >= 0.3
+            assert server_started.is_set(), "connected before the server was started"
             await accepted.wait()
             await stream.aclose()
             nursery.cancel_scope.cancel()

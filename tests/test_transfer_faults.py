@@ -156,8 +156,9 @@ async def test_peer_killed_mid_transfer(daemon_factory: Factory, short_tmp: Path
 
     async def killer() -> None:
         async with open_client(pair.gen.socket_path) as c:
-            while not any(t.state == "receiving" and t.chunks_done > 0 for t in await c.transfers()):
-                await trio.sleep(0.002)
+            with trio.fail_after(15):  # the transfer must get under way: no unbounded poll
+                while not any(t.state == "receiving" and t.chunks_done > 0 for t in await c.transfers()):
+                    await trio.sleep(0.002)
         os.kill(pair.gen.pid, signal.SIGKILL)
 
     t0 = time.monotonic()
@@ -202,7 +203,12 @@ async def test_executor_killed_after_publish(daemon_factory: Factory, short_tmp:
         assert proc.stdout is not None
         line = await trio.to_thread.run_sync(proc.stdout.readline)
         assert line.strip() == b"published"
-        await trio.sleep(0.3)
+        # in flight: ctx's data path runs (and waits for the credit gen never grants)
+        async with open_client(pair.ctx.socket_path, client="watcher") as c:
+            with trio.fail_after(15):
+                while not any(t.request_id == "r-exec" and t.role == "ctx" and t.state == "sending"
+                              for t in await c.transfers()):
+                    await trio.sleep(0.02)
         proc.kill()
         proc.wait()
         proc.stdout.close()
