@@ -157,7 +157,7 @@ async def _drain(daemon: Daemon, engine: Engine, notifier: Notifier) -> None:
         log.warning(
             "daemon.drain_timeout",
             drain_timeout_s=timeout,
-            transfers_cancelled=len(left_over),
+            transfers_failing=len(left_over),
             request_ids=left_over[:16],
         )
         engine.stop_requests(_stopping(daemon, f"and drain_timeout_s={timeout:g} passed before the transfer finished"),

@@ -116,7 +116,7 @@ def test_a_transfer_still_running_at_the_drain_timeout_fails_with_daemon_stoppin
             ctx_done.result(60)
     assert pair.gen.proc.wait(IO_TIMEOUT) == 0
     (timeout,) = events(pair.gen, "daemon.drain_timeout")
-    assert timeout["request_ids"] == ["stuck"]
+    assert timeout["request_ids"] == ["stuck"] and timeout["transfers_failing"] == 1
     assert events(pair.gen, "daemon.stopping")[0]["transfers_active"] == 0  # it ended within the grace
     assert not events(pair.gen, "daemon.drain_unmatched")  # its ctx had spoken: it was not waiting
 
