@@ -31,10 +31,14 @@ def _state(c: Client, rid: str) -> str:
 
 
 def test_sigterm_fails_unmatched_requests_and_finishes_moving_ones(daemon_factory: Factory, short_tmp: Path) -> None:
-    # gen grants no bounce credit: "moving" stays in flight for bounce_wait_s, then completes by
-    # per-fragment writes; meanwhile gen's daemon is stopped
-    gen_transfer = {"bounce_size_mb": 4, "chunk_mb": 1, "grant_credits": False, "bounce_wait_s": 6.0}
-    pair = start_pair(daemon_factory, short_tmp, CTX_LAYOUT, GEN_LAYOUT, transfer={"bounce_wait_s": 6.0},
+    # gen grants no bounce credit: "moving" waits bounce_wait_s for one, then completes by
+    # per-fragment writes. The ctx daemon is frozen (SIGSTOP) while gen's daemon is told to
+    # stop, so "moving" is in flight however slow the machine is; thawed, it goes on.
+    # (heartbeats: the frozen ctx must not be declared gone, however long the freeze takes)
+    gen_transfer = {"bounce_size_mb": 4, "chunk_mb": 1, "grant_credits": False, "bounce_wait_s": 2.0,
+                    "heartbeat_timeout_s": 300.0}
+    pair = start_pair(daemon_factory, short_tmp, CTX_LAYOUT, GEN_LAYOUT,
+                      transfer={"bounce_wait_s": 2.0, "heartbeat_timeout_s": 300.0},
                       gen_extra={"transfer": gen_transfer, "drain_timeout_s": 60.0})
     with Client(pair.gen.socket_path, client="gen", timeout=IO_TIMEOUT) as gen, \
             Client(pair.gen.socket_path, client="gen-lonely", timeout=IO_TIMEOUT) as lonely, \
@@ -55,13 +59,18 @@ def test_sigterm_fails_unmatched_requests_and_finishes_moving_ones(daemon_factor
         ctx.publish("moving", "ctx0", CTX_LAYOUT, 0, c_ids, peer="gen", deadline_s=120)
         gen_done = pool.submit(gen.wait, "moving", 60)
         ctx_done = pool.submit(ctx.wait, "moving", 60)
-        wait_until(lambda: _state(watch, "moving") in ("dest_out", "receiving"), "gen to hand out its destination")
-        pair.gen.read_notify()
-        pair.gen.proc.send_signal(signal.SIGTERM)
-        # (the unmatched ones may still be named in the first status line: they end a moment later)
-        waiting = re.compile(r"STATUS=draining: waiting for \d+ transfer\(s\) \([^)]*\bmoving\b")
-        wait_until(lambda: any(waiting.search(msg) for msg in pair.gen.read_notify()),
-                   "the drain to wait for the moving transfer")
+        # receiving: ctx chose the bounce path (its path message came) and waits for a credit
+        wait_until(lambda: _state(watch, "moving") == "receiving", "ctx to start sending")
+        pair.ctx.proc.send_signal(signal.SIGSTOP)
+        try:
+            pair.gen.read_notify()
+            pair.gen.proc.send_signal(signal.SIGTERM)
+            # (the unmatched ones may still be named in the first status line: they end a moment later)
+            waiting = re.compile(r"STATUS=draining: waiting for \d+ transfer\(s\) \([^)]*\bmoving\b")
+            wait_until(lambda: any(waiting.search(msg) for msg in pair.gen.read_notify()),
+                       "the drain to wait for the moving transfer")
+        finally:
+            pair.ctx.proc.send_signal(signal.SIGCONT)
         # the unmatched ones were answered while the daemon still serves its sessions
         for fut, rid in zip(lonely_waits, ("lonely", "lonely-announced"), strict=True):
             with pytest.raises(DaemonStopping, match="other side never came") as err:
