@@ -68,13 +68,22 @@ def run_row(blocks: int, shuffled: bool, repeat: int, copy_engine: bool, cpu: bo
             "e2e_gbps": blocks * BLOCK_BYTES / best / 1e9}
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point: ``python -m kvd.bench.copy_engines``."""
-    p = argparse.ArgumentParser(prog="python -m kvd.bench.copy_engines", description=__doc__.split("\n\n")[0])
+def build_parser() -> argparse.ArgumentParser:
+    """The options of ``python -m kvd.bench.copy_engines``."""
+    p = argparse.ArgumentParser(prog="python -m kvd.bench.copy_engines",
+                                description="Copy engines against the regroup kernel on the mapped path, for "
+                                            "equal layouts (TP1 -> TP1, GPU 0 -> GPU 1), consecutive and shuffled "
+                                            "blocks; KVD_COPY_ENGINE=0 rows keep every request on the kernel.")
     p.add_argument("--blocks", default="256,16", help="request sizes in blocks, comma-separated (default 256,16)")
     p.add_argument("--repeat", type=int, default=7, help="timed requests per row after a warm-up (default 7)")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cuda (default) or cpu (host pools)")
     p.add_argument("--json", action="store_true", help="print one JSON object per row")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: ``python -m kvd.bench.copy_engines``."""
+    p = build_parser()
     args = p.parse_args(argv)
     sizes = [int(b) for b in args.blocks.split(",") if b]
     if not sizes or min(sizes) < 1 or args.repeat < 1:
