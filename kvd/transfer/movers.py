@@ -87,15 +87,17 @@ async def regroup_kernel(
     return sum(c.nbytes for c in launched)
 
 
-async def until_done(work: list[tuple[Callable[[], bool], int]]) -> None:
-    """Wait, from the event loop, until every ``(done, nbytes)`` GPU work item reports done;
-    even when cancelled (work already enqueued cannot be stopped, so the bytes it writes must
-    have landed before anyone hears it ended)."""
+async def until_done(work: list[tuple[Callable[[], bool], int]], bps: float = KERNEL_LINK_BPS) -> None:
+    """Wait, from the event loop, until every ``(done, nbytes)`` GPU work item reports done
+    (``bps``: the expected speed, which times the first poll); a ``done`` that raises (failed
+    work) raises here. Even when cancelled or failed, wait for the rest (shielded): work
+    already enqueued cannot be stopped, so the bytes it writes must have landed before anyone
+    hears it ended."""
     try:
         for done, nbytes in work:
             # trio's timers wake at millisecond resolution: sleep through most of the expected
             # time, then poll the event at every checkpoint
-            expected = nbytes / KERNEL_LINK_BPS
+            expected = nbytes / bps
             if expected > 2e-3 and not done():
                 await trio.sleep(expected - 1e-3)
             while not done():
@@ -103,8 +105,15 @@ async def until_done(work: list[tuple[Callable[[], bool], int]]) -> None:
     finally:
         with trio.CancelScope(shield=True):
             for done, _ in work:
-                while not done():
+                while not _settled(done):
                     await trio.sleep(0)
+
+
+def _settled(done: Callable[[], bool]) -> bool:
+    try:
+        return done()
+    except Exception:  # the work failed: it is over (the error surfaced in the unshielded wait)
+        return True
 
 
 #: Copy streams by device, made on first use and kept (creating one costs driver time).

@@ -35,7 +35,7 @@ import trio
 
 from kvd.regroup import apply as regroup_apply
 from kvd.regroup.table import ChunkRange, chunk_ranges
-from kvd.transfer.movers import INLINE_BYTES
+from kvd.transfer.movers import INLINE_BYTES, until_done
 from kvd.transfer.paths.base import Job, Progress, Sent, mem
 from protocol import transfer as x
 from protocol.errors import NixlError, TransferError
@@ -124,29 +124,11 @@ async def _kernels_ready(devices: set[int]) -> None:
             await trio.to_thread.run_sync(kernel.kernel_available, dev)
 
 
-def _settled(c: regroup_apply.Completion) -> bool:
-    try:
-        return c.done()
-    except Exception:  # the work failed: it is over (the error surfaces in await_completion)
-        return True
-
-
 async def await_completion(c: regroup_apply.Completion) -> None:
     """Return once ``c``'s work finished, polling from the event loop; raise its error (a
     failed launch). Cancelled, wait for it anyway (shielded): the slot or blocks it writes must
     not be reused, nor reported, before it is done."""
-    try:
-        # trio's timers wake at millisecond resolution: sleep through most of the expected
-        # time, then poll the event at every checkpoint
-        expected = c.nbytes / STAGE_BPS
-        if expected > 2e-3 and not c.done():
-            await trio.sleep(expected - 1e-3)
-        while not c.done():
-            await trio.sleep(0)
-    finally:
-        with trio.CancelScope(shield=True):
-            while not _settled(c):
-                await trio.sleep(0)
+    await until_done([(c.done, c.nbytes)], STAGE_BPS)
 
 
 async def _stage(fn: Callable[..., regroup_apply.Completion], p: Plan, ch: ChunkRange, src: Any, dst: Any, *,
