@@ -38,8 +38,8 @@ COPY_ENGINE_ENABLED = os.environ.get("KVD_COPY_ENGINE", "1") != "0"
 def copy_engine_runs(p: Plan) -> dict[tuple[int, int], npt.NDArray[np.int64]] | None:
     """The request as contiguous runs per pair when it is a plain copy of a few long runs
     (equal layouts, consecutive block ids on both sides), else None (the kernel's case)."""
-    if not p.direct or not COPY_ENGINE_ENABLED:
-        return None
+    if not p.direct or not COPY_ENGINE_ENABLED or p.total_bytes() < COPY_ENGINE_MIN_RUN:
+        return None  # (a request smaller than one long run is the kernel's, without merging its runs)
     runs = {pair: merge_runs(p.fragments(*pair)) for pair in p.pairs()}
     sizes = [r[:, 2] for r in runs.values() if len(r)]
     count = sum(len(x) for x in sizes)
