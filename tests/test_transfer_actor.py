@@ -10,6 +10,7 @@ once in a loaded full-suite run of
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import trio
 import trio.testing
@@ -35,20 +36,30 @@ def _gen_transfer(reports: list[m.Completion], ended: list[Transfer]) -> Transfe
     return t
 
 
+async def _fail_rank0(t: Transfer, then: Callable[[], None] = lambda: None) -> None:
+    """Run ``t``'s actor; rank 0 of 2 registers and its executor leaves (the side fails,
+    reported inline, and the machine is final); ``then()`` runs right after, before the actor
+    is scheduled again. Returns once the actor ended."""
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(t.run)
+        await trio.testing.wait_all_tasks_blocked()
+        t.feed(f.RankRegistered(f.Role.GEN))
+        t.feed(f.Disconnect(f.Role.GEN, "executor session 1 ended"))
+        then()
+
+
 async def test_an_offer_queued_behind_the_last_actions_is_answered_before_the_actor_ends() -> None:
     reports: list[m.Completion] = []
     ended: list[Transfer] = []
     t = _gen_transfer(reports, ended)
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(t.run)
-        await trio.testing.wait_all_tasks_blocked()
-        t.feed(f.RankRegistered(f.Role.GEN))  # rank 0 of 2
-        # rank 0's executor leaves: the side fails (reported inline) and the machine is final;
-        # the actor is woken to end, and before it runs, ctx's offer arrives behind that
-        t.feed(f.Disconnect(f.Role.GEN, "executor session 1 ended"))
+
+    def offer_arrives() -> None:
+        # the actor was woken to end; before it runs, ctx's offer arrives behind that
         assert t.machine.finished and len(reports) == 1 and not reports[0].ok
         t.post(x.XferOffer(request_id="r-late", layout=ONE, blocks={0: [1, 2]}, deadline_s=60))
         assert not t.finished.is_set()
+
+    await _fail_rank0(t, offer_arrives)
     assert ended == [t]
     # the offer was fed to the machine, which answered it with the gen side's failure
     assert t.machine.state(f.Role.CTX) is f.State.OFFERED
@@ -62,11 +73,7 @@ async def test_an_offer_after_the_end_finds_the_transfer_finished() -> None:
     reports: list[m.Completion] = []
     ended: list[Transfer] = []
     t = _gen_transfer(reports, ended)
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(t.run)
-        await trio.testing.wait_all_tasks_blocked()
-        t.feed(f.RankRegistered(f.Role.GEN))
-        t.feed(f.Disconnect(f.Role.GEN, "executor session 1 ended"))
+    await _fail_rank0(t)
     assert t.finished.is_set() and ended == [t]
     assert t.machine.state(f.Role.GEN) is f.State.FAILED and not t.machine.fail_sent
     assert t._rx.statistics().current_buffer_used == 0  # nothing left unhandled
