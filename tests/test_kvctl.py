@@ -131,6 +131,9 @@ def test_transfers_once_and_watched(served: Any) -> None:
     proc = subprocess.Popen(
         [sys.executable, "-m", "clients.kvctl", "-s", d.socket_path, "transfers", "--watch", "-n", "0.1"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "COLUMNS": "200"},
+        # Ctrl-C as at a terminal: a suite started in the background (nohup ... &) hands its
+        # children SIGINT ignored, and kvctl rightly leaves an ignored SIGINT ignored
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         lines: list[str] = []
