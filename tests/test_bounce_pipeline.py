@@ -95,6 +95,26 @@ async def test_bounce_streams_byte_exact_with_either_credit(by_notif: bool) -> N
             assert credits.stages == {"credits_link": granted} and link.credits_by_notif == 0
         # one prepared list per side and write length, reused by every write
         assert link.ctx.slot_descs_held("") == link.ctx.slot_descs_held(link.gen_name) == 1
+        # one write handle per (send slot, receive slot) pair used, reposted by later chunks
+        assert 0 < link.ctx.slot_writes_held(link.gen_name) <= 4 * 4
+
+
+async def test_write_handles_are_reused_across_requests() -> None:
+    async with bounce_link(CTX, GEN, blocks=64, slot_bytes=256 << 10, slots=2) as link:
+        chunk = 256 << 10
+        held: list[int] = []
+        for seed in (5, 6, 7):  # other bytes every request: a reposted handle moves what is there now
+            p, expected = link.fill(seed=seed)
+            _, counts, error = await run_request(link, p, chunk_bytes=chunk, by_notif=True)
+            assert error is None
+            link.check(expected)
+            assert counts.n_posted == counts.n_ended and link.send_slots.in_use == link.recv_slots.in_use == 0
+            held.append(link.ctx.slot_writes_held(link.gen_name))
+            link.gen_counts = type(link.gen_counts)()
+        # 2 send slots x 2 receive slots: at most 4 handles whatever the number of chunks and requests
+        assert 0 < held[0] <= held[-1] <= 4
+        link.ctx.remove_remote(link.gen_name)  # the link went away: its write handles go with it
+        assert link.ctx.slot_writes_held(link.gen_name) == 0
 
 
 async def test_slot_descs_are_prepared_once_and_released_with_the_link() -> None:
@@ -144,6 +164,7 @@ async def test_nixl_error_mid_stream_releases_every_slot_and_fails() -> None:
         assert counts.n_posted == counts.n_ended  # every write announced reached a final state
         assert 0 < counts.nbytes < p.total_bytes()
         assert link.ctx.slot_descs_held(link.gen_name) == 0
+        assert link.ctx.slot_writes_held(link.gen_name) == 0  # none kept for an agent gone, none in flight
 
 
 async def test_cancel_mid_stream_waits_for_launched_work_and_releases_slots() -> None:

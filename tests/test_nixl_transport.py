@@ -127,6 +127,66 @@ async def test_prepped_descriptors_write_chunk_slots(writer: Writer, clean_peer:
     assert await trio.to_thread.run_sync(peer.digest, 0, slot) == _sha(np.zeros(slot, np.uint8))
 
 
+async def test_slot_write_reposts_one_handle_per_slot_pair(writer: Writer, clean_peer: PeerProcess) -> None:
+    """write_slot_async: the first write of a (local slot, remote slot) pair makes its handle,
+    the next ones repost it with their own notification and the bytes there now."""
+    peer = clean_peer
+    slot, nslots = 1 * MiB, 8
+    a = writer.agent
+    lp = a.slot_descs("", writer.addr, slot, nslots, slot)
+    rp = a.slot_descs("test-target", peer.addr, slot, nslots, slot)
+    held = a.slot_writes_held("test-target")
+    original = writer.buf[:slot].copy()
+    try:
+        with trio.fail_after(30):
+            await a.write_slot_async(lp, 0, rp, 5, b"first")
+            assert a.slot_writes_held("test-target") == held + 1
+            assert await trio.to_thread.run_sync(peer.wait_notifs, 1) == [("test-writer", b"first")]
+            assert await trio.to_thread.run_sync(peer.digest, 5 * slot, slot) == _sha(original)
+            writer.buf[:slot] = 0x5A  # the repost moves the bytes of the slot as they are now
+            await a.write_slot_async(lp, 0, rp, 5, b"second")
+            assert a.slot_writes_held("test-target") == held + 1  # reposted, not made again
+            assert await trio.to_thread.run_sync(peer.wait_notifs, 1) == [("test-writer", b"second")]
+            assert await trio.to_thread.run_sync(peer.digest, 5 * slot, slot) == _sha(writer.buf[:slot])
+            await a.write_slot_async(lp, 1, rp, 2, b"third")  # another pair: another handle
+            assert a.slot_writes_held("test-target") == held + 2
+            assert await trio.to_thread.run_sync(peer.wait_notifs, 1) == [("test-writer", b"third")]
+            # a released list takes its handles with it; a list prepared again makes new ones
+            a.release_prepped(lp)
+            assert a.slot_writes_held("test-target") == held
+            lp = a.slot_descs("", writer.addr, slot, nslots, slot)
+            await a.write_slot_async(lp, 0, rp, 5, b"fourth")
+            assert await trio.to_thread.run_sync(peer.wait_notifs, 1) == [("test-writer", b"fourth")]
+            assert a.slot_writes_held("test-target") == held + 1
+    finally:
+        writer.buf[:slot] = original
+        a.release_prepped(lp)
+        a.release_prepped(rp)
+    assert a.slot_writes_held("test-target") == held
+
+
+async def test_slot_write_to_a_dead_peer_fails_and_keeps_no_handle() -> None:
+    ensure_loopback_ucx()
+    w = Writer("test-writer-3", 1 * MiB)
+    try:
+        with PeerProcess("test-doomed-3", 1 * MiB) as doomed:
+            w.agent.add_remote(doomed.metadata)
+            lp = w.agent.slot_descs("", w.addr, 256 << 10, 4, 4096)
+            rp = w.agent.slot_descs("test-doomed-3", doomed.addr, 256 << 10, 4, 4096)
+            with trio.fail_after(30):
+                await w.agent.write_slot_async(lp, 0, rp, 1, b"ok")
+                assert w.agent.slot_writes_held("test-doomed-3") == 1
+                assert await trio.to_thread.run_sync(doomed.wait_notifs, 1) == [("test-writer-3", b"ok")]
+                doomed.kill()
+                # the kept handle is reposted to a peer that went away: a clear error, the
+                # handle released (never reposted again), nothing left in flight
+                with pytest.raises(NixlError, match="disconnected"):
+                    await w.agent.write_slot_async(lp, 0, rp, 1, b"x")
+            assert w.agent.slot_writes_held("test-doomed-3") == 0
+    finally:
+        w.agent.close()
+
+
 async def test_notification_from_peer_reaches_poller(writer: Writer, peer: PeerProcess) -> None:
     got: list[tuple[str, bytes]] = []
     arrived = trio.Event()

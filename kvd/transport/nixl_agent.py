@@ -285,6 +285,9 @@ def _nixl_error(op: str, exc: BaseException, hint: str = "") -> NixlError:
 _SMALL_LIST = 16
 #: Prepared slot descriptor lists :meth:`NixlAgent.slot_descs` keeps per agent (one per write length).
 SLOT_DESCS_KEPT = 32
+#: Write handles :meth:`NixlAgent.write_slot_async` keeps per remote agent (one per pair of
+#: local and remote slot descriptors; 8 send slots x 8 receive slots x a few lengths).
+SLOT_WRITES_KEPT = 512
 
 
 def _desc_array(descs: Descs, device: int) -> npt.NDArray[np.uint64]:
@@ -349,6 +352,8 @@ class NixlAgent:
         self._unreleased: list[XferHandle] = []
         # slot descriptor lists prepared by slot_descs(): remote agent ("" = local) -> LRU by key
         self._slot_descs: dict[str, OrderedDict[tuple[int, int, int, int, str, int], PreppedDescs]] = {}
+        # idle write handles kept by write_slot_async(): remote agent -> LRU by descriptor pair
+        self._slot_writes: dict[str, OrderedDict[tuple[PreppedDescs, int, PreppedDescs, int], XferHandle]] = {}
         self._closed = False
         config = api.nixl_agent_config(
             enable_prog_thread=progress_thread,
@@ -449,7 +454,9 @@ class NixlAgent:
 
     def remove_remote(self, name: str) -> None:
         """Forget a remote agent (disconnects from it) and release the descriptor lists
-        :meth:`slot_descs` prepared for it. Unknown names are ignored."""
+        :meth:`slot_descs` prepared for it and the write handles :meth:`write_slot_async`
+        kept for it. Unknown names are ignored."""
+        self._release_slot_writes(name)
         self._release_slot_descs(name)
         if name not in self._remotes:
             return
@@ -525,13 +532,18 @@ class NixlAgent:
             ) from exc
         return XferHandle(remote_agent, nbytes, count, bytes(notif), h)
 
-    def post(self, handle: XferHandle) -> XferState:
-        """Post a created transfer. On host memory (UCX ``cma``) this does the copy itself."""
+    def post(self, handle: XferHandle, notif: bytes | None = None) -> XferState:
+        """Post a created transfer (again, once it is done: a repost). On host memory (UCX
+        ``cma``) this does the copy itself. ``notif`` replaces the handle's notification."""
         self._check_open()
         if handle.released:
             raise NixlError(f"post {handle.describe()}: the handle was released")
         try:
-            state = self._agent.transfer(handle._handle)
+            if notif is None:
+                state = self._agent.transfer(handle._handle)
+            else:
+                state = self._agent.transfer(handle._handle, notif)
+                handle.notif = notif
         except Exception as exc:
             self._release_quietly(handle)
             self._progress_quietly()
@@ -622,20 +634,80 @@ class NixlAgent:
         await self._post_and_wait(handle, post_in_thread, poll)
         return handle
 
-    async def _post_and_wait(self, handle: XferHandle, post_in_thread: bool, poll: float) -> None:
+    async def _post_and_wait(self, handle: XferHandle, post_in_thread: bool, poll: float,
+                             notif: bytes | None = None, release: bool = True) -> None:
         try:
             if post_in_thread:
                 self._busy += 1
                 try:
-                    await trio.to_thread.run_sync(self.post, handle)
+                    await trio.to_thread.run_sync(self.post, handle, notif)
                 finally:
                     self._busy -= 1
             else:
-                self.post(handle)
+                self.post(handle, notif)
         except BaseException:
             self._release_quietly(handle)
             raise
-        await self.wait(handle, poll=poll)
+        await self.wait(handle, poll=poll, release=release)
+
+    async def write_slot_async(
+        self,
+        local: PreppedDescs,
+        local_index: int,
+        remote: PreppedDescs,
+        remote_index: int,
+        notif: bytes,
+        *,
+        post_in_thread: bool | None = None,
+        poll: float = 0.001,
+    ) -> None:
+        """WRITE ``local[local_index]`` into ``remote[remote_index]`` with ``notif``, posted and
+        waited for as :meth:`write_prepped_async` does, through a transfer handle kept for that
+        pair of descriptors: the first write makes it, later ones repost it with their own
+        notification (no ``make_prepped_xfer``, no release per write). A bounce path writes
+        slot ``i`` into slot ``j`` again and again, so few handles serve every chunk.
+
+        A handle is taken out of the cache while its write is in flight (a concurrent write
+        of the same pair makes its own), put back once NIXL confirmed it, and released like
+        any handle when the write fails or is cancelled (cancelling it, if still in flight:
+        no write runs on after this returns or raises). The last :data:`SLOT_WRITES_KEPT` per
+        remote agent are kept; :meth:`remove_remote` releases a remote agent's, :meth:`close`
+        all of them; a handle whose list was released is made anew."""
+        self._check_open()
+        key = (local, local_index, remote, remote_index)
+        handles = self._slot_writes.get(remote.agent)
+        if handles is None:
+            handles = self._slot_writes[remote.agent] = OrderedDict()
+        handle = handles.pop(key, None)
+        if handle is not None and (local.released or remote.released):
+            self._release_quietly(handle)
+            handle = None
+        if handle is None:
+            handle = self.write_prepped(local, [local_index], remote, [remote_index], notif, post=False)
+            repost: bytes | None = None
+        else:
+            repost = notif
+        if post_in_thread is None:
+            post_in_thread = local.mem == "DRAM"
+        await self._post_and_wait(handle, post_in_thread, poll, repost, release=False)
+        if self._closed or self._slot_writes.get(remote.agent) is not handles:
+            self.release(handle)  # the agent closed, or the remote went away, meanwhile
+            return
+        displaced = handles.pop(key, None)
+        handles[key] = handle
+        if displaced is not None:
+            self._release_quietly(displaced)
+        while len(handles) > SLOT_WRITES_KEPT:
+            _, old = handles.popitem(last=False)
+            self._release_quietly(old)
+
+    def slot_writes_held(self, remote_agent: str) -> int:
+        """How many :meth:`write_slot_async` handles are kept for ``remote_agent``."""
+        return len(self._slot_writes.get(remote_agent, {}))
+
+    def _release_slot_writes(self, remote_agent: str) -> None:
+        for handle in self._slot_writes.pop(remote_agent, {}).values():
+            self._release_quietly(handle)
 
     def prep_local(self, descs: Descs, *, mem: MemType = "DRAM", device: int = -1) -> PreppedDescs:
         """Prepare local descriptors once for many :meth:`write_prepped` calls."""
@@ -722,10 +794,14 @@ class NixlAgent:
         return handle
 
     def release_prepped(self, prepped: PreppedDescs) -> None:
-        """Free a prepared descriptor list (idempotent)."""
+        """Free a prepared descriptor list (idempotent), and the write handles
+        :meth:`write_slot_async` kept that were made from it."""
         if prepped.released:
             return
         prepped.released = True
+        for handles in self._slot_writes.values():
+            for key in [k for k in handles if k[0] is prepped or k[2] is prepped]:
+                self._release_quietly(handles.pop(key))
         handle, prepped._handle = prepped._handle, None
         if self._closed:
             return
@@ -926,6 +1002,8 @@ class NixlAgent:
         for h in list(self._unreleased):
             with suppress(NixlError):
                 self.release(h)
+        for agent in list(self._slot_writes):
+            self._release_slot_writes(agent)
         for agent in list(self._slot_descs):
             self._release_slot_descs(agent)
         for name in list(self._remotes):

@@ -11,7 +11,9 @@ the gather is *launched* (the regroup kernel on the source GPU, on a stream of o
 host twin on host memory, inline when small, else in a worker thread), its completion is
 polled from the event loop (a CUDA event query: no worker thread, no blocking wait), then one
 NIXL write from descriptor lists prepared once per slot and length
-(:meth:`~kvd.transport.NixlAgent.slot_descs`), with notification (request, seq, slot).
+(:meth:`~kvd.transport.NixlAgent.slot_descs`), through a transfer handle made once per (send
+slot, receive slot, length) and reposted (:meth:`~kvd.transport.NixlAgent.write_slot_async`),
+with notification (request, seq, slot).
 
 gen (:class:`Receiver`), per notification: the scatter kernel from the receive slot on the
 destination GPU, completion polled the same way; the slot then goes back to ctx as a credit
@@ -43,7 +45,7 @@ from protocol.errors import NixlError, TransferError
 if TYPE_CHECKING:
     from kvd.pool import Pool
     from kvd.regroup.plan import Plan
-    from kvd.transport import NixlAgent
+    from kvd.transport import NixlAgent, PreppedDescs
     from kvd.transport.setup import StagingRegion
     from kvd.transport.slots import SlotPool
 
@@ -128,6 +130,8 @@ async def await_completion(c: regroup_apply.Completion) -> None:
     """Return once ``c``'s work finished, polling from the event loop; raise its error (a
     failed launch). Cancelled, wait for it anyway (shielded): the slot or blocks it writes must
     not be reused, nor reported, before it is done."""
+    if c.done():  # host work (done when launched), or a kernel already over: no polling task
+        return
     await until_done([(c.done, c.nbytes)], STAGE_BPS)
 
 
@@ -163,6 +167,18 @@ async def send(job: Job, chs: list[ChunkRange], chunk_bytes: int, first_slot: in
     local_mem, remote_mem = mem(staging.device), mem(region.device)
     job.stages["bounce_chunk_bytes"] = chunk_bytes
     pending: int | None = first_slot
+    descs: dict[int, tuple[PreppedDescs, PreppedDescs]] = {}  # write length -> (local, remote) lists
+
+    def lists(n: int) -> tuple[PreppedDescs, PreppedDescs]:
+        """The prepared slot lists for writes of ``n`` bytes: looked up once per request."""
+        found = descs.get(n)
+        if found is None or found[0].released or found[1].released:
+            found = descs[n] = (
+                nixl.slot_descs("", staging.addr, staging.slot_bytes, staging.slot_count, n,
+                                mem=local_mem, device=staging.device),
+                nixl.slot_descs(job.remote_agent, region.addr, job.remote_slot_bytes, remote_slots, n,
+                                mem=remote_mem, device=region.device))
+        return found
 
     async def write(seq: int, ch: ChunkRange, local_slot: int, remote_slot: int,
                     gathered: regroup_apply.Completion) -> None:
@@ -172,14 +188,15 @@ async def send(job: Job, chs: list[ChunkRange], chunk_bytes: int, first_slot: in
             finally:
                 job.progress.ended()  # the gather
             n = write_bytes(ch.nbytes, cap)
-            local = nixl.slot_descs("", staging.addr, staging.slot_bytes, staging.slot_count, n,
-                                    mem=local_mem, device=staging.device)
-            remote = nixl.slot_descs(job.remote_agent, region.addr, job.remote_slot_bytes, remote_slots, n,
-                                     mem=remote_mem, device=region.device)
+            local, remote = lists(n)
             notif = x.encode_notif(x.Notif(rid, seq, remote_slot))
             job.progress.posted()  # raises once the transfer is aborting: no write after failure
             try:
-                await nixl.write_prepped_async(local, [local_slot], remote, [remote_slot], notif)
+                # a handle per (send slot, receive slot, length), reposted: no make/release per
+                # chunk. A small host write is posted inline: there the post is the copy, and a
+                # copy of a few MiB costs less than a worker-thread hop (as the gathers do)
+                await nixl.write_slot_async(local, local_slot, remote, remote_slot, notif,
+                                            post_in_thread=local_mem == "DRAM" and n > INLINE_BYTES)
             finally:
                 job.progress.ended()
             job.progress.moved(ch.nbytes)
