@@ -34,6 +34,11 @@ class SlotPool:
     def owned_by(self, owner: str) -> set[int]:
         return set(self._owned.get(owner, ()))
 
+    def owns(self, owner: str, slot: int) -> bool:
+        """Whether ``owner`` holds ``slot`` (no copy of its set: checked for every chunk)."""
+        owned = self._owned.get(owner)
+        return owned is not None and slot in owned
+
     async def acquire(self, owner: str) -> int:
         """Wait for one slot for ``owner``; cancellable without losing the slot."""
         if self._free and not self._waiting:

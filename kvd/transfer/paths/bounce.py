@@ -182,26 +182,25 @@ async def send(job: Job, chs: list[ChunkRange], chunk_bytes: int, first_slot: in
 
     async def write(seq: int, ch: ChunkRange, local_slot: int, remote_slot: int,
                     gathered: regroup_apply.Completion) -> None:
+        # the gather and its write end together, in one report (one event for the transfer
+        # per chunk fewer): the gather has ended by then, the write too, or it never started
+        ending = 1  # the gather
         try:
-            try:
-                await await_completion(gathered)
-            finally:
-                job.progress.ended()  # the gather
+            await await_completion(gathered)
             n = write_bytes(ch.nbytes, cap)
             local, remote = lists(n)
             notif = x.encode_notif(x.Notif(rid, seq, remote_slot))
             job.progress.posted()  # raises once the transfer is aborting: no write after failure
-            try:
-                # a handle per (send slot, receive slot, length), reposted: no make/release per
-                # chunk. A small host write is posted inline: there the post is the copy, and a
-                # copy of a few MiB costs less than a worker-thread hop (as the gathers do)
-                await nixl.write_slot_async(local, local_slot, remote, remote_slot, notif,
-                                            post_in_thread=local_mem == "DRAM" and n > INLINE_BYTES)
-            finally:
-                job.progress.ended()
+            ending = 2
+            # a handle per (send slot, receive slot, length), reposted: no make/release per
+            # chunk. A small host write is posted inline: there the post is the copy, and a
+            # copy of a few MiB costs less than a worker-thread hop (as the gathers do)
+            await nixl.write_slot_async(local, local_slot, remote, remote_slot, notif,
+                                        post_in_thread=local_mem == "DRAM" and n > INLINE_BYTES)
             job.progress.moved(ch.nbytes)
         finally:
             slots.release(owner, local_slot)
+            job.progress.ended(ending)
 
     async with trio.open_nursery() as writers:
         for seq, ch in enumerate(chs):
@@ -321,7 +320,7 @@ class Receiver:
             if not 0 <= n.seq < len(self.chunks):
                 raise TransferError(f"request {self.request_id!r}: chunk {n.seq} beyond the "
                                     f"{len(self.chunks)} planned")
-            if n.slot in self._busy or n.slot not in self.slots.owned_by(self.owner):
+            if n.slot in self._busy or not self.slots.owns(self.owner, n.slot):
                 raise TransferError(f"request {self.request_id!r}: chunk {n.seq} landed in receive slot "
                                     f"{n.slot}, which is not granted to it (or still being scattered)")
             ch = self.chunks[n.seq]
