@@ -72,6 +72,22 @@ async def test_gpu_bounce_is_byte_exact(case: str, notifs: bool, daemon_factory:
         assert '"regroup.kernel_unavailable"' not in d.log()
 
 
+async def test_gpu_bounce_reposts_write_handles_across_requests(daemon_factory: Callable[..., DaemonProcess],
+                                                                 short_tmp: Path) -> None:
+    # GPU staging: every request's writes repost the handles the earlier ones made (one per
+    # send slot, receive slot and length); each request's bytes land exact all the same
+    ctx, gen = KVLayout(**GEO), KVLayout(**{**GEO, "tp_size": 4})  # type: ignore[arg-type]
+    pair = start_pair(daemon_factory, short_tmp, ctx, gen, num_blocks=64, memory="auto", ctx_device=0,
+                      gen_device=_gen_device(), transfer={"bounce_size_mb": 16, "chunk_mb": 4})
+    for i in range(3):
+        rid = f"gpu-bounce-repost-{i}"
+        out = await run_transfer(pair, ctx, gen, request_id=rid, blocks=32, seed=i, gen_peer="ctx")
+        assert_exact(out, gen)
+        assert all(c.ok and c.path == "bounce" for c in [*out.ctx.values(), *out.gen.values()])
+        done = _done(pair.ctx, rid)
+        assert isinstance(done["chunks"], int) and done["chunks"] > 4  # more chunks than slots
+
+
 async def test_cancelled_wait_for_a_launched_gather_waits_for_the_kernel() -> None:
     from kvd.regroup import apply as rg
     from kvd.transfer.paths import bounce
