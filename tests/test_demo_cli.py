@@ -43,10 +43,14 @@ def test_the_readme_demo_command_runs() -> None:
     run = kvd(*args)
     assert run.returncode == 0, (run.stdout, run.stderr)
     assert "verification: byte-exact on all 4 gen ranks" in run.stdout
-    rows = [line.split() for line in run.stdout.splitlines() if re.match(r"\W*(ctx0|gen[0-3]) ", line)]
-    names = sorted(next(w for w in row if w.startswith(("ctx", "gen"))) for row in rows)
-    assert names == ["ctx0", "gen0", "gen1", "gen2", "gen3"], run.stdout
-    assert all("bounce" in row for row in rows), run.stdout  # --no-mapped: the NIXL path
+    # table cells: executor, bytes, MiB, GB/s, path, ... (the box characters dropped)
+    rows = [[cell for cell in line.split() if cell.isascii()] for line in run.stdout.splitlines()
+            if re.match(r"\W*(ctx0|gen[0-3]) ", line)]
+    assert sorted(row[0] for row in rows) == ["ctx0", "gen0", "gen1", "gen2", "gen3"], run.stdout
+    assert {row[4] for row in rows} == {"bounce"}, run.stdout  # --no-mapped: the NIXL path
+    # every row shows the whole request's bytes (32 blocks by default), which the caption explains
+    assert {row[1] for row in rows} == {str(32 * BLOCK_BYTES)}, run.stdout
+    assert "bytes: the whole request, all ranks of that side together" in run.stdout
 
 
 def usage_error(run: subprocess.CompletedProcess[str], prog: str, says: str) -> None:

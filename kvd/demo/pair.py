@@ -223,7 +223,10 @@ def print_summary(results: dict[str, Completion], wall: float, ok: bool) -> None
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title="kvd demo: GPT-OSS-120B KV, ctx TP1 -> gen TP4, host pools, two daemons on loopback")
+    # every row shows the same bytes, which read as if each gen rank had received the whole request
+    table = Table(title="kvd demo: GPT-OSS-120B KV, ctx TP1 -> gen TP4, host pools, two daemons on loopback",
+                  caption="one row per executor's completion; bytes: the whole request, all ranks of that side "
+                          "together (each gen rank holds a quarter of it, 2 of the 8 KV heads)")
     for col in ("executor", "bytes", "MiB", "GB/s", "path", "chunks", "fallback", "seconds"):
         table.add_column(col)
     for name, c in sorted(results.items()):
