@@ -282,7 +282,8 @@ def load_config(path: str | Path | None, env: Mapping[str, str] | None = None) -
             with open(path, "rb") as f:
                 data = tomllib.load(f)
         except OSError as exc:
-            raise BadRequest(f"cannot read configuration {path}: {exc.strerror}") from None
+            where = "" if Path(path).is_absolute() else f" (relative to the working directory: {Path(path).absolute()})"
+            raise BadRequest(f"cannot read configuration {path}{where}: {exc.strerror}") from None
         except tomllib.TOMLDecodeError as exc:
             raise BadRequest(f"configuration {path} is not valid TOML: {exc}") from None
     return config_from_dict(data, env)

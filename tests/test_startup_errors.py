@@ -167,8 +167,20 @@ def test_config_file_missing(short_tmp: Path) -> None:
     path = str(short_tmp / "absent.toml")
     run = serve(path, env={"KVD_LOG_FORMAT": "json"})
     check_failure(run, exit_code=EX_CONFIG, setting=None,
-                  contains=[f"cannot read configuration {path}: No such file or directory",
-                            "systemd/kvd.toml shows and explains every key"])
+                  contains=[f"cannot read configuration {path}: No such file or directory; give --config "
+                            "(or KVD_CONFIG) a readable TOML file; systemd/kvd.toml is an example of one"])
+
+
+def test_config_file_missing_relative(short_tmp: Path) -> None:
+    """A relative --config is read from the working directory, which the line names (a service's
+    working directory is /, not where the file was written)."""
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("KVD_")}
+    run = subprocess.run([sys.executable, "-m", "kvd", "serve", "--config", "gen.tmol"], cwd=short_tmp,
+                         capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
+                         env={**full_env, "KVD_LOG_FORMAT": "json", "UCX_NET_DEVICES": "lo"})
+    check_failure(run, exit_code=EX_CONFIG, setting=None,
+                  contains=[f"kvd: error: cannot read configuration gen.tmol (relative to the working directory: "
+                            f"{short_tmp / 'gen.tmol'}): No such file or directory; give --config"])
 
 
 def test_config_not_toml(short_tmp: Path) -> None:
