@@ -161,11 +161,12 @@ def _raw_nixl(nbytes: int, frag: int, repeat: int, workdir: Path) -> dict[str, A
 
 
 def _e2e(workdir: Path, max_blocks: int, sizes: list[int], repeat: int, mapped: bool, chunk_mb: int,
-         bounce_mb: int) -> dict[str, Any]:
+         bounce_mb: int, progress_thread: bool = False) -> dict[str, Any]:
     sub = workdir / ("mapped" if mapped else "nixl")
     sub.mkdir()
     ctx_d, gen_d = start_pair(sub, gen_tp=4, blocks=max_blocks, bounce_mb=bounce_mb, chunk_mb=chunk_mb,
-                              memory="auto", device=0, gen_device=1, extra_transfer={"mapped": mapped})
+                              memory="auto", device=0, gen_device=1,
+                              extra_transfer={"mapped": mapped, "nixl_progress_thread": progress_thread})
     by_size: dict[int, dict[str, Any]] = {}
     try:
         for n in sizes:
@@ -213,6 +214,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--latency-sizes", default="1,4,16,64",
                         help="request sizes (blocks) for the latency table, gen-first and ctx-first; '' = skip (default 1,4,16,64)")
     parser.add_argument("--latency-repeat", type=int, default=30, help="requests per latency row (default 30)")
+    parser.add_argument("--nixl-progress-thread", action="store_true",
+                        help="run both daemons' NIXL agents with their progress thread on (transfer.nixl_progress_thread; "
+                             "default off)")
     return parser
 
 
@@ -232,8 +236,9 @@ def main(argv: list[str] | None = None) -> int:
         lat = {name: latency.run(workdir, lat_sizes, args.latency_repeat, mapped=on, memory="auto", device=0,
                                  gen_device=1)
                for name, on in (("mapped", True), ("nixl", False))} if lat_sizes else {}
-        mapped = _e2e(workdir, max(sizes), sizes, args.repeat, True, args.chunk_mb, args.bounce_mb)
-        nixl = _e2e(workdir, max(sizes), sizes, args.repeat, False, args.chunk_mb, args.bounce_mb)
+        thread = args.nixl_progress_thread
+        mapped = _e2e(workdir, max(sizes), sizes, args.repeat, True, args.chunk_mb, args.bounce_mb, thread)
+        nixl = _e2e(workdir, max(sizes), sizes, args.repeat, False, args.chunk_mb, args.bounce_mb, thread)
         frag = GEOMETRY["tokens_per_block"] * GEOMETRY["head_dim"] * 2 * 2
         raw = _raw_nixl(nbytes, frag, args.repeat, workdir)
         kernel_alone = _kernel_alone(sizes, max(sizes), args.repeat)
@@ -243,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {
         "scenario": {"geometry": GEOMETRY, "ctx_tp": 1, "gen_tp": 4, "blocks": args.blocks, "bytes": nbytes,
                      "gpus": [torch.cuda.get_device_name(i) for i in range(2)], "chunk_mb": args.chunk_mb,
-                     "bounce_mb": args.bounce_mb},
+                     "bounce_mb": args.bounce_mb, "nixl_progress_thread": args.nixl_progress_thread},
         "contiguous_copy_gbps": ceiling,
         "latency": lat,
         "e2e_mapped": mapped,

@@ -95,6 +95,10 @@ class Env:
     on_report: Callable[[Transfer, Side, m.Completion], None]
     #: called once when the transfer has nothing left running
     on_finished: Callable[[Transfer], None]
+    #: called with +1 when the transfer starts moving bytes over NIXL (its path writes or
+    #: receives NIXL writes), with -1 when it ends: the daemon's notification poller spins
+    #: only while some transfer does (mapped and local paths never touch NIXL)
+    nixl_moving: Callable[[int], None] = lambda n: None
 
 
 @dataclass
@@ -173,6 +177,7 @@ class Transfer:
         self._pending_scatters = 0
         self._nursery: trio.Nursery | None = None
         self._plan: Plan | None = None
+        self._on_nixl = False  # counted in the daemon's NIXL-moving transfers (env.nixl_moving)
         self.sent: Sent | None = None  # what our sending path did (ctx)
         self.done_msg: x.XferDone | None = None  # what the peer's did (gen)
         self.round_trips = 0  # peer round trips ctx waited for before data moved
@@ -310,6 +315,9 @@ class Transfer:
             # no checkpoint since the last drain found the inbox empty: from here on the engine
             # sees ``finished`` and answers late messages itself
             self.finished.set()
+            if self._on_nixl:
+                self._on_nixl = False
+                self.env.nixl_moving(-1)
             self.env.on_finished(self)
 
     async def _drain(self) -> None:
@@ -724,6 +732,7 @@ class Transfer:
             job.dst = {r: v.tensor for r, v in maps.items() if v is not None}
             job.mapped = {r: v for r, v in maps.items() if v is not None}
             return await mapped.send(job)
+        self._nixl_path()
         if p.direct:
             self.feed(f.PathChosen(f.Role.CTX, f.Path.DIRECT))
             return await direct.send(job)
@@ -758,7 +767,16 @@ class Transfer:
         return await bounce.send(job, chunks, self.bounce_chunk, first)
 
     # -- data path: gen -------------------------------------------------------------------------------
+    def _nixl_path(self) -> None:
+        """This transfer's bytes go over NIXL (bounce, direct or fragment writes): the daemon's
+        poller must drive UCX without pause until the transfer has finished."""
+        if not self._on_nixl:
+            self._on_nixl = True
+            self.env.nixl_moving(1)
+
     def _start_receive(self, path: f.Path) -> None:
+        if path not in (f.Path.MAPPED, f.Path.LOCAL):
+            self._nixl_path()  # the passive side of NIXL writes must poll for them to complete
         side = self.sides.get(f.Role.GEN)
         if side is not None:
             side.state = "receiving"
