@@ -80,7 +80,7 @@ def test_peer_secret_missing(short_tmp: Path) -> None:
     run = serve(write_config(short_tmp, "kvd", base_config(short_tmp, peer_secret_file=missing)))
     check_failure(run, exit_code=EX_CONFIG, setting="peer_secret_file",
                   contains=[f"peer_secret_file: peer secret file {missing} does not exist",
-                            f"openssl rand -hex 32 > {missing} && chmod 600 {missing}"])
+                            f"`(umask 077 && openssl rand -hex 32 > {missing})`"])
     # nothing was allocated or bound: the configuration alone decided
     assert not (short_tmp / "kvd.sock").exists()
     assert '"pool.created"' not in run.stdout
