@@ -83,6 +83,8 @@ class PeerLink:
         self.dialled_by = dialled_by
         #: the peer's instance: its NIXL agent name, new at every start of that daemon
         self.instance = welcome.nixl_agent
+        #: why we closed it for another link to the same peer ("" while it is not)
+        self.superseded = ""
         self.agent = agent  # the peer's NIXL agent name, as loaded into ours
         if not welcome.bounce:
             raise BadRequest(f"peer {node} offered no receive region")
@@ -363,8 +365,9 @@ class PeerLinks:
                 if not self._keeps_new(old, dialled_by, welcome.nixl_agent):
                     await conn.aclose(DUPLICATE_LINK)
                     return
-                await old.conn.aclose(DUPLICATE_LINK if old.instance == welcome.nixl_agent
-                                      and old.dialled_by != dialled_by else "replaced by a new link")
+                duplicate = old.instance == welcome.nixl_agent and old.dialled_by != dialled_by
+                old.superseded = DUPLICATE_LINK if duplicate else "replaced by a new link"
+                await old.conn.aclose(old.superseded)
                 await old.closed.wait()
             try:
                 agent = await trio.to_thread.run_sync(nixl.add_remote, welcome.nixl_metadata)
@@ -420,8 +423,10 @@ class PeerLinks:
             with trio.CancelScope(shield=True):
                 if self.links.get(node) is link:
                     del self.links[node]
-                reason = reasons[0] if reasons else "daemon shutting down"
-                log.warning("peer.disconnected", node=node, reason=clip_text(reason))
+                reason = link.superseded or (reasons[0] if reasons else "daemon shutting down")
+                # a duplicate closed by either side is the pair settling, not a fault
+                level = log.info if DUPLICATE_LINK in reason else log.warning
+                level("peer.disconnected", node=node, reason=clip_text(reason))
                 self._link_lost(node, reason)
                 with contextlib.suppress(KvdError):
                     nixl.remove_remote(agent)
