@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import secrets
 import shutil
 import sys
@@ -132,7 +133,7 @@ class Scenario:
     """
 
     def __init__(self, ctx_d: DaemonProcess, gen_d: DaemonProcess, blocks: int, *, seed: int = 1234,
-                 gen_peer: str = "ctx") -> None:
+                 gen_peer: str = "ctx", shuffle: bool = False) -> None:
         self.blocks = blocks
         # gen naming its ctx peer (as a router would tell it) announces its destination: the
         # publish finds it and moves bytes with no peer round trip; "" is offer/accept (one)
@@ -147,6 +148,12 @@ class Scenario:
         self.ctx_ids = self.ctx.alloc("ctx0", blocks)
         self.gen_pools = [c.attach(f"gen{r}") for r, c in enumerate(self.gens)]
         self.gen_ids = [c.alloc(f"gen{r}", blocks) for r, c in enumerate(self.gens)]
+        if shuffle:  # the same blocks in random order on every rank: no two neighbours adjacent in a pool
+            rng = random.Random(seed)
+            for ids in (self.ctx_ids, *self.gen_ids):
+                rng.shuffle(ids)
+        #: whether every rank's request blocks are consecutive ids in order (a fresh pool's alloc)
+        self.contiguous = all(ids == list(range(ids[0], ids[0] + len(ids))) for ids in (self.ctx_ids, *self.gen_ids))
         t = self.ctx_pool.tensor
         gen = torch.Generator(device=t.device).manual_seed(seed)
         self.data = torch.randn((blocks, *t.shape[1:]), generator=gen, device=t.device).to(t.dtype)
