@@ -11,6 +11,7 @@ from typing import Any
 
 import trio
 
+from clients import open_client
 from kvd.demo.launch import DaemonProcess
 from protocol.layout import KVLayout
 from tests.hostile import events
@@ -104,6 +105,10 @@ async def test_peers_listed_on_both_sides_settle_on_one_link(daemon_factory: Fac
     for d, peer in ((pair.ctx, "gen"), (pair.gen, "ctx")):
         ups = [r for r in events(d, "peer.connected") if "nixl_agent" in r and r["node"] == peer]
         assert len(ups) <= 2 and ups[-1]["dialled_by"] == "ctx", (d.log_path, ups)
+    # kvctl peers says who dialled the kept link, though each daemon lists the other
+    for d, peer, direction in ((pair.ctx, "gen", "outgoing"), (pair.gen, "ctx", "incoming")):
+        async with open_client(d.socket_path) as c:
+            assert [(p.node, p.state, p.direction) for p in await c.peers()] == [(peer, "up", direction)]
 
 
 async def test_restarted_peer_listed_on_both_sides_replaces_its_link(daemon_factory: Factory,
