@@ -87,7 +87,7 @@ class PeerInfo(msgspec.Struct, frozen=True, kw_only=True):
 
     node: str
     state: str  # "up" (authenticated link) | "connecting" (configured, no link: retrying)
-    direction: str  # "outgoing" (in this daemon's [[peers]]) | "incoming" (the peer connected to us)
+    direction: str  # "outgoing" (this daemon dialled the link, or dials it) | "incoming" (the peer dialled it)
     remote: str = ""  # host:port
     last_heard_s: float = -1.0  # seconds since the last frame (heartbeat or any message); -1 = never
     transfers_active: int = 0  # transfers with this peer not finished yet

@@ -10,7 +10,10 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import re
+import shutil
 import stat
+import subprocess
 from collections.abc import MutableMapping
 from functools import partial
 from pathlib import Path
@@ -39,6 +42,7 @@ from protocol.errors import (
     BadRequest,
     ConnectionClosed,
     FrameTooLarge,
+    KvdError,
     PeerUnavailable,
     PermissionDenied,
     ProtocolError,
@@ -658,3 +662,44 @@ async def test_takes_nowait_only_while_the_writer_runs() -> None:
     assert (await cb.receive()).payload == b"awaited"  # type: ignore[attr-defined]
     await ca.aclose()
     await cb.aclose()
+
+
+async def test_a_peer_with_another_name_is_refused_with_the_name_to_set() -> None:
+    """A [[peers]] entry naming "gne" reaches the daemon called "gen": the error says which name
+    to write (and the listening side learns why it was dropped)."""
+    refused: list[KvdError] = []
+
+    async def handler(stream: trio.SocketStream) -> None:
+        try:
+            conn = await accept_peer(stream, node="gen", secret=SECRET, welcome=welcome("gen", b"gen"))
+            await conn.receive()
+        except KvdError as exc:
+            refused.append(exc)
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            port = await _serve(nursery, handler)
+            with pytest.raises(PeerUnavailable) as info:
+                await connect_peer("127.0.0.1", port, node="ctx", secret=SECRET,
+                                   welcome=_unnamed(welcome("ctx", b"ctx")), expect_node="gne")
+            while not refused:
+                await trio.sleep(0.01)
+            nursery.cancel_scope.cancel()
+    assert info.value.message == (f"expected peer 'gne' at 127.0.0.1:{port}, found 'gen': if that daemon is the one "
+                                  "meant, set this [[peers]] name to 'gen'; otherwise fix its host/port")
+    assert "set this [[peers]] name to 'gen'" in refused[0].message
+
+
+def test_missing_secret_hint_creates_an_owner_only_file(tmp_path: Path) -> None:
+    """The command the missing-secret error suggests makes a file load_secret accepts, owner-only
+    from its creation (under a umask that would leave it world-readable otherwise)."""
+    path = tmp_path / "peer.secret"
+    with pytest.raises(BadRequest) as info:
+        load_secret(path)
+    found = re.search(r"`(\(umask 077 && [^`]*\))`", info.value.message)
+    assert found, info.value.message
+    if shutil.which("openssl") is None:
+        pytest.skip("the suggested command uses openssl, not installed here")
+    subprocess.run(["sh", "-c", f"umask 022; {found.group(1)}"], check=True)
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert len(load_secret(path)) == 64

@@ -83,8 +83,12 @@ def test_over_capacity_changes_nothing() -> None:
     a = BlockAllocator(8, name="p")
     a.alloc(1, 5)
     before = snapshot(a)
-    with pytest.raises(OutOfBlocks, match=r"pool 'p': asked for 4 blocks, only 3 free \(5 of 8 in use\)"):
+    with pytest.raises(OutOfBlocks, match=r"pool 'p': asked for 4 blocks, only 3 free \(5 of 8 in use\)") as info:
         a.alloc(2, 4)
+    # the remedy, not only the counts
+    assert info.value.message.endswith(
+        ": free blocks (release/cancel finished requests) or raise num_blocks / budget_mb"
+    ), info.value.message
     assert snapshot(a) == before
     assert len(a.alloc(2, 3)) == 3
 

@@ -452,9 +452,15 @@ def test_create_pools_closes_earlier_pools_on_failure() -> None:
     bad = cfg_for("device", device=0, name="b")
     with (
         structlog.testing.capture_logs(),
-        pytest.raises(PoolError, match="pool 'b': cannot create device memory"),
+        pytest.raises(PoolError, match="pool 'b': cannot create device memory") as info,
     ):
         create_pools([good, bad], {})
+    # the settings that chose that memory lead, then what to do on this machine (no CUDA)
+    assert info.value.message.startswith("pools[1].memory / pools[1].device: pool 'b': cannot create device memory "
+                                         "on GPU 0: no CUDA driver"), info.value.message
+    assert info.value.message.endswith(
+        '; this machine has no CUDA driver: set pools[1].memory = "host" and pools[1].device = -1 (a host-memory pool)'
+    ), info.value.message
     with pytest.raises(BadRequest, match="duplicate pool name 'a'"):
         create_pools([good, good], {})
     pools = create_pools([good, msgspec.structs.replace(good, name="c")], {})
@@ -468,3 +474,18 @@ def test_pool_rejects_memory_smaller_than_layout() -> None:
     with pytest.raises(PoolError, match="memory holds 100 bytes, the layout needs"):
         Pool(cfg_for(), mem)
     mem.close()
+
+
+def test_a_pool_on_a_gpu_this_machine_lacks_names_the_device_setting() -> None:
+    """Where CUDA runs but the GPU does not exist, the remedy is the device setting."""
+    from kvd.pool.pool import _located
+
+    err = PoolError("pool 'g': cannot create device memory on GPU 99: invalid device ordinal")
+    located = _located(err, 2, cfg_for("device", device=99, name="g"))
+    assert located.message == (
+        "pools[2].memory / pools[2].device: pool 'g': cannot create device memory on GPU 99: invalid device "
+        'ordinal; pools[2].device must name a GPU this machine has; for a pool in host memory set memory = "host" '
+        "and device = -1"
+    )
+    other = FabricUnavailable("pool 'g': fabric memory is required (require_fabric) but unavailable on GPU 0: x")
+    assert _located(other, 2, cfg_for("device", device=0, name="g")) is other  # its own remedy already

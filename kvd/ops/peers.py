@@ -33,7 +33,8 @@ def peer_infos(config: Config, engine: Engine | None) -> list[m.PeerInfo]:
         out[node] = m.PeerInfo(
             node=node,
             state="up",
-            direction="outgoing" if node in configured else "incoming",
+            # who dialled this link: with a pair listing each other, it is one of the two
+            direction="incoming" if link.dialled_by == node else "outgoing",
             remote=link.conn.remote_addr or configured.get(node, ""),
             last_heard_s=max(0.0, now - link.conn.last_received),
             transfers_active=active.get(node, 0),

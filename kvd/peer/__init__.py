@@ -19,6 +19,7 @@ from kvd.peer.link import (
     connect_with_backoff,
     handshake_client,
     handshake_server,
+    open_peer,
     run_heartbeats,
 )
 
@@ -35,6 +36,7 @@ __all__ = [
     "handshake_server",
     "load_secret",
     "new_nonce",
+    "open_peer",
     "run_heartbeats",
     "verify_mac",
 ]

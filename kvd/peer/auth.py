@@ -1,7 +1,7 @@
 """Peer authentication: the shared secret file and the handshake MACs (pure functions).
 
 Both daemons hold the same secret (``peer_secret_file``: at least 16 bytes, e.g.
-``head -c 32 /dev/urandom > secret; chmod 600 secret``). The handshake is a mutual
+``(umask 077 && head -c 32 /dev/urandom > secret)``). The handshake is a mutual
 challenge-response: each side sends a fresh random nonce, and each proves it knows the secret
 with ``HMAC-SHA256(secret, transcript)`` where the transcript binds the protocol version, both
 node names, both nonces and the prover's *role* (so a MAC can be neither replayed on another
@@ -59,9 +59,9 @@ def load_secret(path: str | os.PathLike[str]) -> bytes:
         # configuration file's: say which file that was, or "does not exist" reads as a lie.
         where = "" if p.is_absolute() else f" (relative to the working directory: {Path.cwd() / p})"
         raise BadRequest(
-            f"peer secret file {p}{where} does not exist; create it with the same secret on every node "
-            f"(openssl rand -hex 32 > {p} && chmod 600 {p}), or remove peer_secret_file and "
-            "[[peers]] to serve local transfers only"
+            f"peer secret file {p}{where} does not exist; create it, owner-only from the start, with "
+            f"`(umask 077 && openssl rand -hex 32 > {p})` and give every node the same file (mode 600), "
+            "or remove peer_secret_file and [[peers]] to serve local transfers only"
         ) from None
     except OSError as exc:
         if exc.errno is not None and exc.errno == getattr(os, "ELOOP", -1):

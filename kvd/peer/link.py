@@ -66,6 +66,7 @@ __all__ = [
     "connect_with_backoff",
     "handshake_client",
     "handshake_server",
+    "open_peer",
     "run_heartbeats",
 ]
 
@@ -431,7 +432,8 @@ async def handshake_client(
                 raise ProtocolError(f"peer {ch.node!r} welcomed us as {welcome.node!r}")
             if expect_node is not None and ch.node != expect_node:
                 err_n = PeerUnavailable(
-                    f"expected peer {expect_node!r} at {conn.remote_addr}, found {ch.node!r}"
+                    f"expected peer {expect_node!r} at {conn.remote_addr}, found {ch.node!r}: if that daemon "
+                    f"is the one meant, set this [[peers]] name to {ch.node!r}; otherwise fix its host/port"
                 )
                 await _refuse(conn, err_n)
                 raise err_n
@@ -654,6 +656,23 @@ async def connect_peer(
 
     ``warn``: as for :func:`handshake_client`."""
     stream = await connect_with_backoff(host, port, **backoff)
+    return await open_peer(stream, node=node, secret=secret, welcome=welcome, expect_node=expect_node,
+                           handshake_timeout=handshake_timeout, max_frame_size=max_frame_size, warn=warn)
+
+
+async def open_peer(
+    stream: trio.abc.Stream,
+    *,
+    node: str,
+    secret: bytes,
+    welcome: PeerWelcome,
+    expect_node: str | None = None,
+    handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
+    max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
+    warn: Warn | None = None,
+) -> PeerConnection:
+    """Authenticate a stream we connected (the client side); returns the ready link (the
+    stream is closed on failure). ``warn``: as for :func:`handshake_client`."""
     conn = PeerConnection(stream, max_frame_size=max_frame_size)
     try:
         await handshake_client(

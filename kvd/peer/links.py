@@ -5,6 +5,12 @@ reconnecting with backoff whenever a link drops (a restarted peer is picked up a
 handshake (:mod:`kvd.peer`) exchanges NIXL metadata and the receive region; after it the
 link carries the transfer-control messages of :mod:`protocol.transfer` and heartbeats.
 A peer without the shared secret is refused (``peer.auth_failed``) and never gets a link.
+
+Two daemons may list each other: the pair settles on one link, the one dialled by the node
+whose name sorts first. When both links are up, both daemons keep that one and close the other
+(``peer.duplicate_link``); the node that sorts last does not dial while a link the other one
+dialled is up, and dials again once it drops. A link from another instance of the peer (it
+restarted) always replaces the old one (``peer.replaced``).
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ import trio
 
 from kvd.ops.accept import accept_loop
 from kvd.ops.throttle import Throttle
-from kvd.peer import accept_peer, connect_peer, load_secret, run_heartbeats
+from kvd.peer import accept_peer, connect_with_backoff, load_secret, open_peer, run_heartbeats
 from kvd.peer.attach import attach_peer_pools
 from kvd.peer.retry import Backoff
 from kvd.startup import bind_failed
@@ -39,6 +45,9 @@ if TYPE_CHECKING:
 log = structlog.get_logger("kvd.peer")
 
 register_peer_messages(*x.XFER_MESSAGES)
+
+#: Why a link was closed as the second link between one pair (the other one is kept).
+DUPLICATE_LINK = "a duplicate link: both daemons dialled, the one the node first in name order dialled is kept"
 
 #: Failures on the peer port that anyone who can reach it can cause: rate-limited lines.
 _throttle = Throttle(log)
@@ -67,9 +76,15 @@ def host_identity() -> str:
 class PeerLink:
     """One live, authenticated link and what the peer told us in its welcome."""
 
-    def __init__(self, node: str, conn: PeerConnection, welcome: PeerWelcome, agent: str) -> None:
+    def __init__(self, node: str, conn: PeerConnection, welcome: PeerWelcome, agent: str, dialled_by: str) -> None:
         self.node = node
         self.conn = conn
+        #: the node that connected this link (this daemon, or the peer)
+        self.dialled_by = dialled_by
+        #: the peer's instance: its NIXL agent name, new at every start of that daemon
+        self.instance = welcome.nixl_agent
+        #: why we closed it for another link to the same peer ("" while it is not)
+        self.superseded = ""
         self.agent = agent  # the peer's NIXL agent name, as loaded into ours
         if not welcome.bounce:
             raise BadRequest(f"peer {node} offered no receive region")
@@ -131,6 +146,11 @@ class PeerLinks:
         self.attempts: dict[str, int] = {}  # peer -> failed connection attempts since its link was up
         self.pending = 0  # accepted peer-port connections not yet authenticated
         self._changed = trio.Event()  # set (and replaced) whenever a link comes up
+        #: per peer: decide, load its agent and register one link at a time (see :meth:`_serve`)
+        self._settling: dict[str, trio.Lock] = {}
+        #: per peer: the cancel scope of our dialler's TCP connect or backoff sleep, cancelled
+        #: when a link the peer dialled comes up (we stop dialling while it is up)
+        self._dialing: dict[str, trio.CancelScope] = {}
 
     def get(self, node: str) -> PeerLink:
         link = self.links.get(node)
@@ -243,7 +263,7 @@ class PeerLinks:
             return
         finally:
             self.pending -= 1
-        await self._serve(conn)
+        await self._serve(conn, dialled_by=conn.remote_node)
 
     async def _connect_forever(self, node: str, host: str, port: int) -> None:
         """Keep a link to ``node`` up: connect with backoff, serve, reconnect when it drops.
@@ -252,6 +272,9 @@ class PeerLinks:
         is retried after ``[transfer] reconnect_initial_s``, doubling up to ``reconnect_max_s``
         (reset once a link came up); each distinct failure is logged at once, its repeats at
         most once per 10 s with ``suppressed=N`` (a rate limiter per peer and reason).
+        When ``node`` lists us too and its name sorts before ours, we do not dial while a link
+        it dialled is up (that link is the one the pair keeps): a pending connect or backoff
+        wait is cancelled when such a link comes up, and dialling starts again once it drops.
         """
         assert self.secret is not None
         t = self.config.transfer
@@ -267,11 +290,22 @@ class PeerLinks:
             self.attempts[node] = self.attempts.get(node, 0) + 1
 
         while True:
+            if await self._wait_while_peer_dialled(node):
+                backoff.reset()
+                self.attempts.pop(node, None)
+                await trio.sleep(0.1)  # the same pause as after our own link dropped
+                continue
+            stream: trio.SocketStream | None = None
+            with trio.CancelScope() as dialing:
+                self._dialing[node] = dialing
+                stream = await connect_with_backoff(host, port, maximum=2.0, on_retry=tcp_failed)
+            self._dialing.pop(node, None)
+            if stream is None:
+                continue  # a link the peer dialled came up meanwhile
             try:
-                conn = await connect_peer(host, port, node=self.config.node, secret=self.secret,
-                                          welcome=self.welcome(), expect_node=node,
-                                          max_frame_size=self.config.limits.max_frame_size, maximum=2.0,
-                                          on_retry=tcp_failed, warn=warn)
+                conn = await open_peer(stream, node=self.config.node, secret=self.secret, welcome=self.welcome(),
+                                       expect_node=node, max_frame_size=self.config.limits.max_frame_size,
+                                       warn=warn)
             except KvdError as exc:
                 self.last_error[node] = str(exc)
                 self.attempts[node] = self.attempts.get(node, 0) + 1
@@ -279,45 +313,88 @@ class PeerLinks:
                 failures.warning("peer.connect_failed", throttle_key=f"peer.connect_failed|{exc}", node=node,
                                  host=host, port=port, error=str(exc), attempt=self.attempts[node],
                                  retry_in_s=round(delay, 3))
-                await trio.sleep(delay)
+                with trio.CancelScope() as dialing:
+                    self._dialing[node] = dialing
+                    await trio.sleep(delay)
+                self._dialing.pop(node, None)
                 continue
             backoff.reset()
             self.attempts.pop(node, None)
-            await self._serve(conn)
+            await self._serve(conn, dialled_by=self.config.node)
             await trio.sleep(0.1)
 
-    async def _serve(self, conn: PeerConnection) -> None:
+    def _yields_to(self, node: str) -> bool:
+        """Whether a link ``node`` dialled is the one kept over ours (its name sorts first)."""
+        return node < self.config.node
+
+    async def _wait_while_peer_dialled(self, node: str) -> bool:
+        """Wait while the kept link, ``node`` dialled, is up; whether there was one."""
+        link = self.links.get(node)
+        if link is None or link.dialled_by != node or not self._yields_to(node):
+            return False
+        await link.closed.wait()
+        return True
+
+    def _keeps_new(self, old: PeerLink, dialled_by: str, instance: str) -> bool:
+        """Whether a new link (``dialled_by``, to the peer instance whose NIXL agent is
+        ``instance``) replaces ``old``, logging why. Both daemons of a pair decide alike."""
+        node = old.node
+        if old.instance != instance:  # the peer restarted (or reconnected) before we noticed
+            log.info("peer.replaced", node=node, reason="a new instance of the peer")
+            return True
+        if old.dialled_by == dialled_by:  # the dialler gave up the old one (e.g. a half-open link)
+            log.info("peer.replaced", node=node, reason=f"{dialled_by} dialled again")
+            return True
+        # both dialled: keep the link dialled by the node whose name sorts first
+        keep = node if self._yields_to(node) else self.config.node
+        log.info("peer.duplicate_link", node=node, kept=f"dialled by {keep}",
+                 closed=f"dialled by {old.dialled_by if dialled_by == keep else dialled_by}")
+        return dialled_by == keep
+
+    async def _serve(self, conn: PeerConnection, *, dialled_by: str) -> None:
         node = conn.remote_node
         welcome = conn.welcome
         assert welcome is not None
-        old = self.links.get(node)
-        if old is not None:  # the peer restarted (or reconnected) before we noticed: replace
-            log.info("peer.replaced", node=node)
-            await old.conn.aclose("replaced by a new link")
-            await old.closed.wait()
         nixl = self.transport.agent
-        try:
-            agent = await trio.to_thread.run_sync(nixl.add_remote, welcome.nixl_metadata)
-            link = PeerLink(node, conn, welcome, agent)
-        except KvdError as exc:
-            log.warning("peer.rejected", node=node, error=str(exc))
-            await conn.aclose(str(exc))
-            return
-        if (self.config.transfer.mapped and welcome.host_id == host_identity() and welcome.socket_path
-                and welcome.pools):
+        # one link per peer at a time from the decision to its registration: two links to one
+        # peer instance load the same NIXL agent name, so the loser must be gone (its agent
+        # removed) before the winner loads it
+        async with self._settling.setdefault(node, trio.Lock()):
+            old = self.links.get(node)
+            if old is not None:
+                if not self._keeps_new(old, dialled_by, welcome.nixl_agent):
+                    await conn.aclose(DUPLICATE_LINK)
+                    return
+                duplicate = old.instance == welcome.nixl_agent and old.dialled_by != dialled_by
+                old.superseded = DUPLICATE_LINK if duplicate else "replaced by a new link"
+                await old.conn.aclose(old.superseded)
+                await old.closed.wait()
             try:
-                link.mapped = await trio.to_thread.run_sync(
-                    attach_peer_pools, welcome.socket_path, [p.name for p in welcome.pools], self.config.node
-                )
-                log.info("peer.pools_mapped", node=node, pools=sorted(link.mapped))
-            except KvdError as exc:  # e.g. another mount namespace: fall back to NIXL, say so
-                log.warning("peer.pools_not_mapped", node=node, error=str(exc))
-        self.links[node] = link
+                agent = await trio.to_thread.run_sync(nixl.add_remote, welcome.nixl_metadata)
+                link = PeerLink(node, conn, welcome, agent, dialled_by)
+            except KvdError as exc:
+                log.warning("peer.rejected", node=node, error=str(exc))
+                await conn.aclose(str(exc))
+                return
+            if (self.config.transfer.mapped and welcome.host_id == host_identity() and welcome.socket_path
+                    and welcome.pools):
+                try:
+                    link.mapped = await trio.to_thread.run_sync(
+                        attach_peer_pools, welcome.socket_path, [p.name for p in welcome.pools], self.config.node
+                    )
+                    log.info("peer.pools_mapped", node=node, pools=sorted(link.mapped))
+                except KvdError as exc:  # e.g. another mount namespace: fall back to NIXL, say so
+                    log.warning("peer.pools_not_mapped", node=node, error=str(exc))
+            self.links[node] = link
         self.seen.add(node)
         self.last_error.pop(node, None)
         self._changed.set()
         self._changed = trio.Event()
-        log.info("peer.connected", node=node, remote=conn.remote_addr, nixl_agent=agent)
+        log.info("peer.connected", node=node, remote=conn.remote_addr, nixl_agent=agent, dialled_by=dialled_by)
+        if dialled_by == node and self._yields_to(node):  # the kept link: we stop dialling
+            dialing = self._dialing.get(node)
+            if dialing is not None:
+                dialing.cancel()
         self._link_up(link)
         owed = self.owed.pop(node, [])
         reasons: list[str] = []
@@ -346,8 +423,10 @@ class PeerLinks:
             with trio.CancelScope(shield=True):
                 if self.links.get(node) is link:
                     del self.links[node]
-                reason = reasons[0] if reasons else "daemon shutting down"
-                log.warning("peer.disconnected", node=node, reason=clip_text(reason))
+                reason = link.superseded or (reasons[0] if reasons else "daemon shutting down")
+                # a duplicate closed by either side is the pair settling, not a fault
+                level = log.info if DUPLICATE_LINK in reason else log.warning
+                level("peer.disconnected", node=node, reason=clip_text(reason))
                 self._link_lost(node, reason)
                 with contextlib.suppress(KvdError):
                     nixl.remove_remote(agent)

@@ -75,7 +75,8 @@ class BlockAllocator:
         if count > free:
             raise OutOfBlocks(
                 f"pool {self.name!r}: asked for {count} blocks, only {free} free"
-                f" ({self.used} of {self._num_blocks} in use)"
+                f" ({self.used} of {self._num_blocks} in use): free blocks (release/cancel finished requests)"
+                " or raise num_blocks / budget_mb"
             )
         held = self.lease_count(session_id)
         if max_per_session is not None and held + count > max_per_session:

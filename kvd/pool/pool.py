@@ -155,12 +155,28 @@ def create_pools(configs: Iterable[PoolConfig], env: Mapping[str, str] | None = 
     """
     pools: dict[str, Pool] = {}
     try:
-        for cfg in configs:
+        for i, cfg in enumerate(configs):
             if cfg.name in pools:
                 raise BadRequest(f"duplicate pool name {cfg.name!r}")
-            pools[cfg.name] = Pool.create(cfg, env)
+            try:
+                pools[cfg.name] = Pool.create(cfg, env)
+            except PoolError as exc:
+                raise _located(exc, i, cfg) from None
     except BaseException:
         for pool in pools.values():
             pool.close()
         raise
     return pools
+
+
+def _located(exc: PoolError, index: int, cfg: PoolConfig) -> PoolError:
+    """A pool whose memory could not be created, with the settings that chose that memory and
+    what to do (other pool errors as they are)."""
+    if exc.code != PoolError.code or not exc.message.startswith(f"pool {cfg.name!r}: cannot create "):
+        return exc
+    at = f"pools[{index}]"
+    todo = (f"{at}.device must name a GPU this machine has; for a pool in host memory set "
+            f'memory = "host" and device = -1')
+    if "no CUDA driver" in exc.message:
+        todo = f'this machine has no CUDA driver: set {at}.memory = "host" and {at}.device = -1 (a host-memory pool)'
+    return PoolError(f"{at}.memory / {at}.device: {exc.message}; {todo}")
