@@ -25,6 +25,7 @@ import time
 from functools import partial
 from typing import TYPE_CHECKING
 
+import msgspec
 import structlog
 import trio
 
@@ -83,9 +84,14 @@ class Engine:
         self._live: set[Transfer] = set()
         self._idle = trio.Event()
         self._idle.set()
-        self._wake = trio.Event()  # set when a transfer starts: the idle poller wakes up
+        self._wake = trio.Event()  # set when a transfer takes a NIXL path: the idle poller wakes up
+        # transfers whose path moves bytes over NIXL: the poller spins while one runs. Mapped
+        # and local transfers need no notification, and a spinning poller is a task step in
+        # every scheduler pass (and a core busy) for the whole life of every request
+        self._nixl_live: set[Transfer] = set()
         self._env = Env(node=self.node, cfg=self.cfg, nixl=self._nixl, links=lambda: self.links,
-                        staging=self._staging, on_report=self._on_report, on_finished=self._on_finished)
+                        staging=self._staging, on_report=self._on_report, on_finished=self._on_finished,
+                        on_nixl=self._on_nixl)
 
     # -- lifecycle --------------------------------------------------------------------------
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -105,9 +111,9 @@ class Engine:
                                        deliver=self.deliver, link_up=self.link_up, link_lost=self.link_lost)
                 self.peer_port = await nursery.start(self.links.run)
                 # one poller for the agent's life: without NIXL's progress thread it also drives
-                # UCX; it spins while transfers run and backs off when the daemon is idle
+                # UCX; it spins while transfers run over NIXL and backs off otherwise
                 nursery.start_soon(partial(poll_notifications, transport.agent, self._on_notif,
-                                           hot=lambda: self._running > 0, idle_max=0.05,
+                                           hot=lambda: bool(self._nixl_live), idle_max=0.05,
                                            wakeup=lambda: self._wake))
                 task_status.started()
         finally:
@@ -280,10 +286,15 @@ class Engine:
         self._live.add(t)
         self._running += 1
         self._idle = trio.Event()
-        self._wake.set()
-        self._wake = trio.Event()
         self._nursery.start_soon(t.run)
         return t
+
+    def _on_nixl(self, t: Transfer) -> None:
+        """``t`` moves bytes over NIXL: the poller spins (woken at once if it sleeps) until it ends."""
+        if not t.finished.is_set():
+            self._nixl_live.add(t)
+            self._wake.set()
+            self._wake = trio.Event()
 
     def _of_session(self, session: Session, rid: str) -> Transfer:
         t = self._by_session.get(session.id, {}).get(rid)
@@ -301,22 +312,40 @@ class Engine:
         completion = sides[0].completion
         assert completion is not None
         self._collect(session.id, t)
-        return m.Completion(**{**{k: getattr(completion, k) for k in completion.__struct_fields__}, "id": msg.id})
+        return msgspec.structs.replace(completion, id=msg.id)
 
-    async def wait(self, session: Session, msg: m.Wait) -> m.Completion:
-        """The completion of the session's side(s) of the request."""
+    async def wait(self, session: Session, msg: m.Wait,
+                   answer: Callable[[m.Completion], object] | None = None) -> m.Completion:
+        """The completion of the session's side(s) of the request. ``answer``, when given, is
+        called with it in the step that reports the last of those sides (the executor's reply
+        can go out there, without waiting for this task to be scheduled again)."""
         t = self._of_session(session, msg.request_id)
         sides = [s for s in t.sides.values() if session.id in s.sessions()]
-        with trio.move_on_after(math.inf if msg.timeout_s is None else msg.timeout_s):
+        waiting = True  # an answer after this wait timed out would be a second reply to it
+
+        def early() -> None:
+            if waiting and answer is not None and all(s.completion is not None for s in sides):
+                first = sides[0].completion
+                assert first is not None
+                answer(msgspec.structs.replace(first, id=msg.id))
+
+        if answer is not None:
             for s in sides:
-                await s.done.wait()
+                if s.completion is None:
+                    s.on_reported.append(early)
+        try:
+            with trio.move_on_after(math.inf if msg.timeout_s is None else msg.timeout_s):
+                for s in sides:
+                    await s.done.wait()
+        finally:
+            waiting = False
         if any(s.completion is None for s in sides):
             raise WaitTimeout(f"request {msg.request_id!r} still running after wait timeout {msg.timeout_s}s; "
                               "it goes on (wait again, or cancel it)")
         completion = sides[0].completion
         assert completion is not None
         self._collect(session.id, t)
-        return m.Completion(**{**{k: getattr(completion, k) for k in completion.__struct_fields__}, "id": msg.id})
+        return msgspec.structs.replace(completion, id=msg.id)
 
     async def cancel(self, session: Session, msg: m.Cancel) -> None:
         """Cancel the request: the registering session's sides, or every side with ``force``."""
@@ -445,6 +474,7 @@ class Engine:
 
     def _on_finished(self, t: Transfer) -> None:
         self._live.discard(t)
+        self._nixl_live.discard(t)
         self._running -= 1
         if self._running == 0:
             self._idle.set()

@@ -60,6 +60,8 @@ INLINE_PLAN_BLOCKS = 4096
 PREGRANT_SLOTS = 2
 
 _PATHS = {p.value: p for p in f.Path}
+#: Paths whose bytes (or credits) travel over NIXL: notifications to poll, UCX to drive.
+NIXL_PATHS = frozenset({f.Path.DIRECT, f.Path.FRAGMENT, f.Path.BOUNCE})
 _PATHS["fragment-fallback"] = f.Path.FRAGMENT  # older daemons' name
 
 
@@ -95,6 +97,9 @@ class Env:
     on_report: Callable[[Transfer, Side, m.Completion], None]
     #: called once when the transfer has nothing left running
     on_finished: Callable[[Transfer], None]
+    #: called once when the transfer's path turns out to move bytes over NIXL (direct,
+    #: fragment, bounce): the notification poller spins only while such a transfer runs
+    on_nixl: Callable[[Transfer], None] = field(default=lambda t: None)
 
 
 @dataclass
@@ -186,6 +191,7 @@ class Transfer:
         self._inline = False  # actions are running in a caller's step
         self._deferred: list[f.Action] = []  # actions of events fed meanwhile: they go after
         self._backlog: list[x.XferMessage] | None = None  # messages waiting for the link, in order
+        self.uses_nixl = False  # its path moves bytes over NIXL (told to the engine once)
 
     @property
     def key(self) -> tuple[str, str]:
@@ -203,6 +209,9 @@ class Transfer:
         before = self.machine.deadline
         actions = self.machine.handle(event)
         mark("feed", type(event).__name__, actions)
+        if not self.uses_nixl and self.machine.path in NIXL_PATHS:
+            self.uses_nixl = True
+            self.env.on_nixl(self)
         if self._inline:  # fed by an action running now: after the rest of its list
             self._deferred.extend(actions)
             return
@@ -618,6 +627,7 @@ class Transfer:
             side.mark("reported")
         side.finish(completion)
         self.env.on_report(self, side, completion)
+        side.reported()  # waiting executors' replies, now that the outcome is logged and released
         mark("reported")
 
     # -- data path: ctx -----------------------------------------------------------------------------
