@@ -229,6 +229,12 @@ class Daemon:
             return m.Ok(id=msg.id), []
         raise BadRequest(f"unexpected message {type(msg).__name__}")
 
+    def after_reply(self) -> None:
+        """Work the request just handled left for after its reply (see
+        :meth:`kvd.transfer.engine.Engine.run_after_reply`); the session calls it every time."""
+        if self.engine is not None:
+            self.engine.run_after_reply()
+
     async def wait(self, session: Session, msg: m.Wait,
                    answer: Callable[[m.Completion], object] | None = None) -> m.Message:
         """Wait for a request's completion (runs as a session task); ``answer`` gets it in the

@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -137,13 +138,21 @@ class SessionConnection:
         """Give up the rest of a :meth:`write_nowait` (the session is ending): the lock goes."""
         self._send_lock.release()
 
-    async def send(self, msg: m.Message, fds: list[int] | None = None) -> None:
+    async def send(self, msg: m.Message, fds: list[int] | None = None,
+                   then: Callable[[], None] | None = None) -> None:
         """Write one reply (with optional fds) atomically with respect to other replies.
 
-        A reply too large for one frame fails its request with ``reply_too_large`` (the
-        session goes on) instead of breaking the connection.
+        ``then`` runs once the reply is written, or before awaiting the socket when it cannot
+        be written at once (never after a checkpoint). A reply too large for one frame fails
+        its request with ``reply_too_large`` (the session goes on) instead of breaking the
+        connection.
         """
-        data, whole = self._encode(msg)
+        try:
+            data, whole = self._encode(msg)
+        except BaseException:
+            if then is not None:
+                then()
+            raise
         if not whole:
             fds = None
         if not fds and not self._send_lock.locked():
@@ -152,6 +161,8 @@ class SessionConnection:
             # the socket does not take now is written under the lock, taken at once (no
             # checkpoint in between, so no other reply can start between the two parts)
             sent = self._write_now(data)
+            if then is not None:
+                then()
             if sent == len(data):
                 return
             self._send_lock.acquire_nowait()
@@ -160,6 +171,8 @@ class SessionConnection:
             finally:
                 self._send_lock.release()
             return
+        if then is not None:
+            then()
         async with self._send_lock:
             await send_with_fds(self.stream.socket, data, fds or [])
 
@@ -427,13 +440,16 @@ async def _dispatch(
     try:
         reply, fds = await daemon.handle(session, msg)
     except KvdError as exc:
+        daemon.after_reply()
         await conn.send_error(msg.id, exc)
         return
     except Exception as exc:  # a bug: report it, keep serving
+        daemon.after_reply()
         log.exception("session.internal_error", request=type(msg).__name__)
         await conn.send_error(msg.id, InternalError(f"{type(exc).__name__}: {exc}"))
         return
-    await conn.send(reply, fds)
+    # a registration's data path, when it runs in this step, starts once the reply is out
+    await conn.send(reply, fds, then=daemon.after_reply)
     mark("session.replied", type(reply).__name__)
 
 

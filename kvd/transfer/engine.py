@@ -89,9 +89,12 @@ class Engine:
         # and local transfers need no notification, and a spinning poller is a task step in
         # every scheduler pass (and a core busy) for the whole life of every request
         self._nixl_live: set[Transfer] = set()
+        # work a registration started that runs once the executor has its reply (run_after_reply)
+        self._after_reply: list[Callable[[], None]] | None = None
+        self._deferred: list[Callable[[], None]] = []
         self._env = Env(node=self.node, cfg=self.cfg, nixl=self._nixl, links=lambda: self.links,
                         staging=self._staging, on_report=self._on_report, on_finished=self._on_finished,
-                        on_nixl=self._on_nixl)
+                        on_nixl=self._on_nixl, after_reply=self._defer)
 
     # -- lifecycle --------------------------------------------------------------------------
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -276,8 +279,30 @@ class Engine:
                 if old.finished.is_set():
                     self._collect(session.id, old)
         # last: the transfer may act on it at once (start the data path, or report an outcome,
-        # which releases what was just recorded)
-        t.feed(event)
+        # which releases what was just recorded); a data path that runs in the caller's step
+        # waits for run_after_reply, so the executor has its reply first
+        self._after_reply = self._deferred
+        try:
+            t.feed(event)
+        finally:
+            self._after_reply = None
+
+    def _defer(self, fn: Callable[[], None]) -> bool:
+        if self._after_reply is None:
+            return False
+        self._after_reply.append(fn)
+        return True
+
+    def run_after_reply(self) -> None:
+        """Run what the registration just handled left for after its reply (the session calls
+        this once the reply is written, or before it awaits the socket, with no checkpoint
+        between the registration and here: nothing else can happen to the request meanwhile)."""
+        work, self._deferred = self._deferred, []
+        for fn in work:
+            try:
+                fn()
+            except Exception:  # a bug: that request fails at its deadline, the session serves on
+                log.exception("transfer.internal_error")
 
     def _start(self, rid: str, peer: str, here: set[f.Role]) -> Transfer:
         assert self._nursery is not None
