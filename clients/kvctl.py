@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import stat
 import sys
 import time
 from collections.abc import Callable
@@ -24,7 +25,7 @@ import msgspec
 from clients._wire import default_socket_path
 from clients.blocking import Client
 from protocol import messages as m
-from protocol.errors import ConnectionClosed, KvdError
+from protocol.errors import ConnectionClosed, KvdError, NotFound
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
 #: Entries asked for per request when following the pages of a list (one frame holds them).
@@ -248,6 +249,12 @@ def _unreachable_hint(path: str) -> str:
     if not os.path.exists(path):
         return ("is kvd running with this socket_path? Give its socket with --socket PATH or "
                 "KVD_SOCKET (default /run/kvd/kvd.sock)")
+    if not stat.S_ISSOCK(os.stat(path).st_mode):
+        # connect() on a regular file or a directory also says "Connection refused", which
+        # reads like a dead daemon; the usual cause is the configuration file given for --socket
+        what = "a directory" if os.path.isdir(path) else "not a socket"
+        return (f"{path} is {what}: give the daemon's socket_path (from its configuration, e.g. "
+                "/run/kvd/kvd.sock), not its configuration file, with --socket PATH or KVD_SOCKET")
     if not os.access(path, os.R_OK | os.W_OK):
         return ("this user may not open the socket: kvd lets in root, its own user and members of "
                 "its group ([access] in its configuration widens that)")
@@ -383,7 +390,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvctl: {exc}{hint}", file=sys.stderr)
         return EXIT_UNREACHABLE
     except KvdError as exc:
-        print(f"kvctl: {exc}", file=sys.stderr)
+        hint = ""
+        if isinstance(exc, NotFound) and args.command == "cancel":
+            # the daemon's "no request 'x'" does not say where to look: a typo, the other
+            # daemon's socket, or a request that ended (and left) before the cancel
+            hint = ("; kvctl transfers lists the requests this daemon holds (a request that has "
+                    "ended cannot be cancelled; the other side's daemon has its own socket)")
+        print(f"kvctl: {exc}{hint}", file=sys.stderr)
         return EXIT_ERROR
     except KeyboardInterrupt:
         return 130

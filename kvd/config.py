@@ -14,6 +14,7 @@ Environment overrides (documented in the README; an explicit env setting wins ov
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 import tomllib
@@ -198,29 +199,79 @@ def config_from_dict(data: Mapping[str, object], env: Mapping[str, str] | None =
     try:
         cfg = msgspec.convert(merged, Config)
     except msgspec.ValidationError as exc:
-        raise BadRequest(f"invalid configuration: {exc}") from None
-    names = [p.name for p in cfg.pools]
-    if len(set(names)) != len(names):
-        raise BadRequest(f"duplicate pool names in configuration: {names}")
-    for pool in cfg.pools:
-        pool.layout()  # validates geometry and block count
+        raise BadRequest(f"invalid configuration: {_with_choices(str(exc))}") from None
+    seen: set[str] = set()
+    for i, pool in enumerate(cfg.pools):
+        if pool.name in seen:
+            raise BadRequest(f"invalid configuration: duplicate pool name {pool.name!r} (each [[pools]] table "
+                             f"needs its own name) - at `$.pools[{i}].name`")
+        seen.add(pool.name)
+        try:
+            pool.layout()  # validates geometry and block count
+        except BadRequest as exc:
+            raise BadRequest(f"invalid configuration: {_pool_problem(i, exc.message)}") from None
     return cfg
+
+
+_POOL_FIELDS = frozenset(f.name for f in msgspec.structs.fields(PoolConfig))
+
+
+def _pool_problem(index: int, message: str) -> str:
+    """A pool's layout error located as msgspec locates its own (``<what> - at `$.pools[i].key```),
+    so that the startup line begins with the key to change, as every configuration error does.
+
+    The layout's messages name the field first (``KVLayout.dtype 'bf16' is not one of ...``,
+    ``num_kv_heads=8 is not divisible by tp_size=3``, ``pool 'p': give num_blocks or budget_mb``):
+    the first pool key the message mentions is the setting."""
+    what = re.sub(r"^(KVLayout[.:] ?|pool '[^']*': )", "", message)
+    key = next((word for word in re.findall(r"[a-z_]+", what) if word in _POOL_FIELDS), "")
+    if message.startswith(f"KVLayout.{key} "):
+        what = what[len(key) + 1:]  # "pools[0].dtype: 'bf16' is not ...", not "...dtype: dtype 'bf16'"
+    return f"{what} - at `$.pools[{index}]" + (f".{key}`" if key else "`")
+
+
+_BAD_ENUM = re.compile(r"^Invalid enum value (?P<value>'[^']*'|-?\d+) - at `\$\.(?P<path>[^`]*)`$")
+
+
+def _with_choices(message: str) -> str:
+    """msgspec's ``Invalid enum value 'hots' - at `$.pools[0].memory``` with the values the key
+    takes, and the one the typo most resembles: ``... 'hots' (one of: auto, fabric, device,
+    posix_fd, host; did you mean host?) - at ...``."""
+    bad = _BAD_ENUM.match(message)
+    choices = _choices(bad.group("path")) if bad else []
+    if not bad or not choices:
+        return message
+    close = difflib.get_close_matches(bad.group("value").strip("'"), choices, n=1)
+    hint = f"; did you mean {close[0]}?" if close else ""
+    return f"Invalid enum value {bad.group('value')} (one of: {', '.join(choices)}{hint}) - at `$.{bad.group('path')}`"
+
+
+def _choices(path: str) -> list[str]:
+    """The values a ``Literal`` key at ``path`` (``pools[0].memory``, ``log_format``) accepts."""
+    table, _, key = path.rpartition(".")
+    info = _field_types(table).get(key)
+    return [str(v) for v in info.values] if isinstance(info, msgspec.inspect.LiteralType) else []
+
+
+def _field_types(table: str) -> dict[str, msgspec.inspect.Type]:
+    """The keys of the configuration table at ``table`` with their types (``{}``: no table)."""
+    info: msgspec.inspect.Type = msgspec.inspect.type_info(Config)
+    for part in re.findall(r"[A-Za-z_]\w*", table):  # the names; an index picks one table of an array
+        if not isinstance(info, msgspec.inspect.StructType):
+            return {}
+        fields = {f.name: f.type for f in info.fields}
+        if part not in fields:
+            return {}
+        info = fields[part]
+        if isinstance(info, msgspec.inspect.VarTupleType | msgspec.inspect.ListType):
+            info = info.item_type
+    return {f.name: f.type for f in info.fields} if isinstance(info, msgspec.inspect.StructType) else {}
 
 
 def table_keys(table: str) -> list[str]:
     """The keys the configuration table at ``table`` accepts: ``""`` (the top level),
     ``"transfer"``, ``"pools[0]"`` (one table of an array); ``[]`` for a path that is no table."""
-    info: msgspec.inspect.Type = msgspec.inspect.type_info(Config)
-    for part in re.findall(r"[A-Za-z_]\w*", table):  # the names; an index picks one table of an array
-        if not isinstance(info, msgspec.inspect.StructType):
-            return []
-        fields = {f.name: f.type for f in info.fields}
-        if part not in fields:
-            return []
-        info = fields[part]
-        if isinstance(info, msgspec.inspect.VarTupleType | msgspec.inspect.ListType):
-            info = info.item_type
-    return [f.name for f in info.fields] if isinstance(info, msgspec.inspect.StructType) else []
+    return list(_field_types(table))
 
 
 def load_config(path: str | Path | None, env: Mapping[str, str] | None = None) -> Config:
@@ -231,7 +282,8 @@ def load_config(path: str | Path | None, env: Mapping[str, str] | None = None) -
             with open(path, "rb") as f:
                 data = tomllib.load(f)
         except OSError as exc:
-            raise BadRequest(f"cannot read configuration {path}: {exc.strerror}") from None
+            where = "" if Path(path).is_absolute() else f" (relative to the working directory: {Path(path).absolute()})"
+            raise BadRequest(f"cannot read configuration {path}{where}: {exc.strerror}") from None
         except tomllib.TOMLDecodeError as exc:
             raise BadRequest(f"configuration {path} is not valid TOML: {exc}") from None
     return config_from_dict(data, env)

@@ -95,7 +95,9 @@ def config_error(path: str | None, exc: KvdError, keys_of: Callable[[str], list[
         problem = f"{what[:1].lower()}{what[1:]} (in {where})"
     else:  # not located (unreadable file, bad TOML, a limit out of range): the message says what
         message = exc.message if path is None or path in exc.message else f"configuration {where}: {exc.message}"
-        return StartupError(f"{message}: {todo}", setting="", exit_code=EX_CONFIG)
+        if message.startswith("cannot read configuration "):  # the path, not the contents, is wrong
+            todo = "give --config (or KVD_CONFIG) a readable TOML file; systemd/kvd.toml is an example of one"
+        return StartupError(f"{message}; {todo}", setting="", exit_code=EX_CONFIG)
     return StartupError(f"{setting}: {problem}; {todo}", setting=setting, exit_code=EX_CONFIG)
 
 

@@ -131,6 +131,10 @@ def test_the_defaults_the_configs_state_are_true() -> None:
                 stated.append((name, key, value, str(real)))
     assert stated, "the page states no default any more: drop this test"
     assert [s for s in stated if s[2] != s[3]] == []
+    # the retry schedule the page gives for a ctx daemon started before gen's peer port listens
+    doc = " ".join(DOC.read_text().split())
+    assert "it tries again after 1 s, then 2, 4, … (`transfer.reconnect_initial_s`, doubling" in doc
+    assert TransferConfig().reconnect_initial_s == 1.0
 
 
 def test_what_the_doc_says_about_shapes_is_true(workdir: Path) -> None:

@@ -231,6 +231,25 @@ def test_exit_code_3_when_unreachable(short_tmp: Any) -> None:
     assert len(run.stderr.splitlines()) == 1  # one line, the hint included
 
 
+@pytest.mark.parametrize("given", ["kvd.toml", "a-directory"])
+def test_unreachable_because_the_path_is_no_socket(short_tmp: Path, given: str) -> None:
+    """``--socket kvd.toml`` (the configuration for the socket) or a directory: connect() says
+    "Connection refused" there too, which must not read as a dead daemon."""
+    path = short_tmp / given
+    if given == "a-directory":
+        path.mkdir()
+        what = "is a directory"
+    else:
+        path.write_text('socket_path = "kvd.sock"\n')
+        what = "is not a socket"
+    run = kvctl("status", socket=str(path))
+    assert run.returncode == 3 and run.stdout == "", (run.returncode, run.stdout, run.stderr)
+    assert run.stderr.splitlines() == [run.stderr.rstrip("\n")]  # one line
+    assert f"cannot connect to kvd at {path}: Connection refused; {path} {what}: give the daemon's socket_path" in run.stderr
+    assert "not its configuration file, with --socket PATH or KVD_SOCKET" in run.stderr
+    assert "no daemon answers" not in run.stderr
+
+
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None,
                     reason="needs root and setpriv to run kvctl as another user")
 def test_unreachable_for_lack_of_permission_says_why(daemon_factory: Callable[..., DaemonProcess],
@@ -615,6 +634,8 @@ def test_cancel_any_sessions_request_as_operator(pair: tuple[DaemonProcess, Daem
         # an unknown request: the daemon's error, exit 1
         run = kvctl("cancel", "no-such-request", socket=gen_d.socket_path)
         assert run.returncode == 1 and "no-such-request" in run.stderr, (run.returncode, run.stderr)
+        assert run.stderr.startswith("kvctl: [not_found] ") and len(run.stderr.splitlines()) == 1
+        assert "; kvctl transfers lists the requests this daemon holds" in run.stderr  # where to look
         assert kvctl("cancel", socket=gen_d.socket_path).returncode == 2  # the id is required
     finally:
         gen.close()

@@ -167,8 +167,20 @@ def test_config_file_missing(short_tmp: Path) -> None:
     path = str(short_tmp / "absent.toml")
     run = serve(path, env={"KVD_LOG_FORMAT": "json"})
     check_failure(run, exit_code=EX_CONFIG, setting=None,
-                  contains=[f"cannot read configuration {path}: No such file or directory",
-                            "systemd/kvd.toml shows and explains every key"])
+                  contains=[f"cannot read configuration {path}: No such file or directory; give --config "
+                            "(or KVD_CONFIG) a readable TOML file; systemd/kvd.toml is an example of one"])
+
+
+def test_config_file_missing_relative(short_tmp: Path) -> None:
+    """A relative --config is read from the working directory, which the line names (a service's
+    working directory is /, not where the file was written)."""
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("KVD_")}
+    run = subprocess.run([sys.executable, "-m", "kvd", "serve", "--config", "gen.tmol"], cwd=short_tmp,
+                         capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
+                         env={**full_env, "KVD_LOG_FORMAT": "json", "UCX_NET_DEVICES": "lo"})
+    check_failure(run, exit_code=EX_CONFIG, setting=None,
+                  contains=[f"kvd: error: cannot read configuration gen.tmol (relative to the working directory: "
+                            f"{short_tmp / 'gen.tmol'}): No such file or directory; give --config"])
 
 
 def test_config_not_toml(short_tmp: Path) -> None:
@@ -206,6 +218,10 @@ def test_config_unknown_key_in_a_table(short_tmp: Path) -> None:
                             "(did you mean bounce_size_mb?); fix the configuration"])
 
 
+POOL = ('[[pools]]\nname = "a"\nmemory = "host"\nnum_layers = 2\nnum_kv_heads = 8\nhead_dim = 64\n'
+        'tokens_per_block = 16\nnum_blocks = 4\n{extra}\n')
+
+
 @pytest.mark.parametrize(("toml", "line"), [
     ('[[pools]]\nname = "a"\nnum_block = 4\n',
      "pools[0].num_block: unknown key in [[pools]] table 1 of {path} (did you mean num_blocks?)"),
@@ -214,7 +230,19 @@ def test_config_unknown_key_in_a_table(short_tmp: Path) -> None:
     ("[tranfser]\nchunk_mb = 4\n", "tranfser: unknown key in the top level of {path} (did you mean transfer?)"),
     ("[access]\nzzz = 1\n", "access.zzz: unknown key in [access] of {path}; fix"),
     ('[[pools]]\nmemory = "host"\n', "pools[0].name: required key missing from [[pools]] table 1 of {path}"),
-    ('[[pools]]\nname = "a"\nmemory = "hots"\n', "pools[0].memory: invalid enum value 'hots' (in {path})"),
+    ('[[pools]]\nname = "a"\nmemory = "hots"\n',
+     "pools[0].memory: invalid enum value 'hots' (one of: auto, device, fabric, host, posix_fd; did you mean host?) "
+     "(in {path})"),
+    ('log_level = "verbose"\n', "log_level: invalid enum value 'verbose' (one of: debug, error, info, warning) (in {path})"),
+    # what the pool's layout refuses is located too (it was "configuration PATH: KVLayout.dtype ...", no setting)
+    (POOL.format(extra='dtype = "bf16"'), "pools[0].dtype: 'bf16' is not one of ['bfloat16', 'float16', "),
+    (POOL.format(extra="tp_size = 3"), "pools[0].num_kv_heads: num_kv_heads=8 is not divisible by tp_size=3 (in {path})"),
+    (POOL.format(extra='axis_order = ["block", "layer", "kv", "head", "dim", "token"]'),
+     "pools[0].axis_order: must end with 'dim' (a head vector is contiguous) (in {path})"),
+    (POOL.format(extra="tp_size = 2\nrank = 2"), "pools[0].rank: rank 2 outside world size 2 (in {path})"),
+    (POOL.format(extra="").replace("num_blocks = 4\n", ""), "pools[0].num_blocks: give num_blocks or budget_mb (in {path})"),
+    (POOL.format(extra="") + POOL.format(extra=""),
+     "pools[1].name: duplicate pool name 'a' (each [[pools]] table needs its own name) (in {path})"),
 ])
 def test_config_errors_start_with_the_setting(short_tmp: Path, toml: str, line: str) -> None:
     """The shapes of configuration mistakes, through the same load_config -> config_error as
@@ -227,6 +255,16 @@ def test_config_errors_start_with_the_setting(short_tmp: Path, toml: str, line: 
     assert error.message.startswith(line.format(path=path)), error.message
     assert error.message.endswith("fix the configuration (systemd/kvd.toml shows and explains every key)")
     assert error.exit_code == EX_CONFIG and error.message.startswith(f"{error.setting}: ")
+
+
+def test_config_pool_layout_error_names_the_setting(short_tmp: Path) -> None:
+    """A dtype the layout does not know, through a real ``kvd serve``: the line starts with the
+    key (``pools[0].dtype``), the log line's ``setting`` names it, exit 78."""
+    path = write_config(short_tmp, "kvd", base_config(short_tmp, pools=[host_pool(dtype="bf16")]))
+    run = serve(path, env={"KVD_LOG_FORMAT": "json"})
+    check_failure(run, exit_code=EX_CONFIG, setting="pools[0].dtype",
+                  contains=["kvd: error: pools[0].dtype: 'bf16' is not one of ['bfloat16', ",
+                            f"(in {path}); fix the configuration"])
 
 
 def test_config_bad_limit(short_tmp: Path) -> None:

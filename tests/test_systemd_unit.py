@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import shutil
 import subprocess
 from pathlib import Path
@@ -154,6 +155,28 @@ def test_unit_matches_example_config(unit: dict[str, dict[str, list[str]]]) -> N
     stop = cfg.drain_timeout_s + DRAIN_ABORT_GRACE_S + DRAIN_REPLY_GRACE_S  # the longest a drain takes
     assert stop < float(one(unit, "TimeoutStopSec"))
     assert one(unit, "ExecStart").endswith(f"--config /etc/kvd/{EXAMPLE.name}")
+
+
+def test_kernel_cache_is_writable_under_the_unit(unit: dict[str, dict[str, list[str]]],
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the daemon caches its compiled regroup kernel when systemd starts it: the unit's
+    environment (Environment=, %C = /var/cache for a system unit; HOME = the kvd user's home
+    from the sysusers entry) must lead kvd.regroup.kernel.cache_dir() into the CacheDirectory=
+    the unit creates, as ProtectSystem=strict leaves nothing else writable (with the default,
+    ~/.cache/kvd = /nonexistent/.cache/kvd, every start compiled the kernel again)."""
+    from kvd.regroup.kernel import cache_dir
+
+    home = next(shlex.split(line)[4] for line in SYSUSERS.read_text().splitlines() if line.startswith("u "))
+    assert home == "/nonexistent"
+    for var in ("KVD_KERNEL_CACHE", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HOME", home)
+    for assignment in unit["Service"].get("Environment", []):
+        name, _, value = assignment.partition("=")
+        monkeypatch.setenv(name, value.replace("%C", "/var/cache"))
+    writable = Path("/var/cache") / one(unit, "CacheDirectory")
+    assert cache_dir() == writable or writable in cache_dir().parents, cache_dir()
+    assert one(unit, "ProtectSystem") == "strict"  # why nothing else would do
 
 
 def test_systemd_analyze_verify(tmp_path: Path) -> None:

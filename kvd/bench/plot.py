@@ -30,6 +30,10 @@ def plot(report: dict[str, Any], path: str) -> None:
         ("kvd end to end, mapped (regroup kernel)", {n: v["gbps"] for n, v in report["e2e_mapped"]["by_blocks"].items()}),
         ("kvd end to end, NIXL bounce", {n: v["gbps"] for n, v in report["e2e_nixl_bounce"]["by_blocks"].items()}),
     ]
+    for key, label in (("e2e_mapped", "mapped"), ("e2e_nixl_bounce", "NIXL bounce")):
+        contiguous = report[key].get("by_blocks_contiguous")  # reports before shuffled ids have none
+        if contiguous:
+            curves.append((f"kvd end to end, {label}, contiguous block ids", {n: v["gbps"] for n, v in contiguous.items()}))
     if report.get("kernel_alone_gbps"):
         curves.append(("regroup kernel alone (GPU0 -> GPU1)", report["kernel_alone_gbps"]))
     for label, by_blocks in curves:

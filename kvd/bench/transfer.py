@@ -30,7 +30,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from kvd.demo.pair import GEOMETRY, Scenario, start_pair
+from kvd.demo.pair import GEOMETRY, Scenario, positive_int, start_pair
 
 MiB = 1 << 20
 
@@ -82,6 +82,12 @@ def _raw(nbytes: int, repeat: int) -> dict[str, Any]:
     }
 
 
+def block_counts(text: str) -> list[int]:
+    """An argparse type: ``1,4,16`` -> ``[1, 4, 16]``, each at least 1 (a bad entry was a
+    ValueError traceback)."""
+    return [positive_int(part) for part in text.split(",") if part.strip()]
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The options of ``kvd bench transfer`` (``--device cuda`` and ``--layout`` have their own)."""
     parser = argparse.ArgumentParser(
@@ -90,15 +96,15 @@ def build_parser() -> argparse.ArgumentParser:
                     "the same bytes: latency per request size, then throughput end to end.",
         epilog="N-GPU layouts and concurrency: --layout KIND|FILE, --ctx-gpus, --gen-gpus, --concurrent N "
                "(kvd bench transfer --layout tp1-tp4 --help lists their options)")
-    parser.add_argument("--blocks", type=int, default=128, help="request size in blocks (2.25 MiB each; default 128 = 288 MiB)")
-    parser.add_argument("--repeat", type=int, default=5, help="timed runs of each measurement, the best shown (default 5)")
-    parser.add_argument("--chunk-mb", type=int, default=16, help="bounce chunk size in MiB (default 16)")
-    parser.add_argument("--bounce-mb", type=int, default=128, help="bounce buffer size in MiB (default 128)")
+    parser.add_argument("--blocks", type=positive_int, default=128, help="request size in blocks (2.25 MiB each; default 128 = 288 MiB)")
+    parser.add_argument("--repeat", type=positive_int, default=5, help="timed runs of each measurement, the best shown (default 5)")
+    parser.add_argument("--chunk-mb", type=positive_int, default=16, help="bounce chunk size in MiB (default 16)")
+    parser.add_argument("--bounce-mb", type=positive_int, default=128, help="bounce buffer size in MiB (default 128)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                         help="host pools (default) or GPU pools on two GPUs (its own options: --device cuda --help)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
-    parser.add_argument("--sizes", default="1,4,16,64", help="request sizes in blocks for the latency table (default 1,4,16,64)")
-    parser.add_argument("--latency-repeat", type=int, default=30, help="requests per size and order (default 30)")
+    parser.add_argument("--sizes", type=block_counts, default="1,4,16,64", help="request sizes in blocks for the latency table (default 1,4,16,64)")
+    parser.add_argument("--latency-repeat", type=positive_int, default=30, help="requests per size and order (default 30)")
     parser.add_argument("--latency-only", action="store_true", help="print the latency table only")
     return parser
 
@@ -118,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     workdir = Path(tempfile.mkdtemp(prefix="kvd-bench-", dir="/tmp"))
-    sizes = [int(x) for x in args.sizes.split(",") if x]
+    sizes = args.sizes
     try:
         from kvd.bench import latency
 

@@ -161,37 +161,50 @@ def _raw_nixl(nbytes: int, frag: int, repeat: int, workdir: Path) -> dict[str, A
 
 
 def _e2e(workdir: Path, max_blocks: int, sizes: list[int], repeat: int, mapped: bool, chunk_mb: int,
-         bounce_mb: int) -> dict[str, Any]:
+         bounce_mb: int, progress_thread: bool = False) -> dict[str, Any]:
     sub = workdir / ("mapped" if mapped else "nixl")
     sub.mkdir()
     ctx_d, gen_d = start_pair(sub, gen_tp=4, blocks=max_blocks, bounce_mb=bounce_mb, chunk_mb=chunk_mb,
-                              memory="auto", device=0, gen_device=1, extra_transfer={"mapped": mapped})
-    by_size: dict[int, dict[str, Any]] = {}
+                              memory="auto", device=0, gen_device=1,
+                              extra_transfer={"mapped": mapped, "nixl_progress_thread": progress_thread})
+    by_order: dict[bool, dict[int, dict[str, Any]]] = {True: {}, False: {}}
     try:
         for n in sizes:
-            scenario = Scenario(ctx_d, gen_d, n)
-            try:
-                scenario.transfer()  # warm-up
-                walls: list[float] = []
-                results: dict[str, Any] = {}
-                for _ in range(repeat):
-                    results, wall = scenario.transfer()
-                    walls.append(wall)
-                ok = scenario.verify()
-            finally:
-                scenario.close()
-            c = results["ctx0"]
-            done_lines = [json.loads(line) for line in ctx_d.log().splitlines() if '"transfer.done"' in line]
-            stages = done_lines[-1].get("stages") if done_lines else None
-            rtt = done_lines[-1].get("round_trips") if done_lines else None
-            by_size[n] = {"stages": stages, "round_trips": rtt, "bytes": c.bytes, "path": c.path, "chunks": c.chunks, "best_s": min(walls),
-                          "median_s": statistics.median(walls), "gbps": c.bytes / min(walls) / 1e9,
-                          "daemon_gbps": c.bytes / c.duration_s / 1e9 if c.duration_s else 0.0, "verified": ok}
+            for shuffled in (True, False):
+                by_order[shuffled][n] = _e2e_size(ctx_d, gen_d, n, repeat, shuffled)
         kinds = [line for line in ctx_d.log().splitlines() if '"pool.fabric_unavailable"' in line]
     finally:
         ctx_d.stop()
         gen_d.stop()
-    return {"by_blocks": by_size, "fabric_warning": kinds[0] if kinds else ""}
+    # by_blocks: shuffled block ids (every block its own run: the general case the figures quote);
+    # by_blocks_contiguous: a fresh pool's consecutive ids, the same requests otherwise
+    return {"by_blocks": by_order[True], "by_blocks_contiguous": by_order[False],
+            "fabric_warning": kinds[0] if kinds else ""}
+
+
+def _e2e_size(ctx_d: Any, gen_d: Any, n: int, repeat: int, shuffled: bool) -> dict[str, Any]:
+    """One request size end to end: a warm-up, then ``repeat`` timed requests (best and median)."""
+    scenario = Scenario(ctx_d, gen_d, n, shuffle=shuffled)
+    try:
+        scenario.transfer()  # warm-up
+        walls: list[float] = []
+        results: dict[str, Any] = {}
+        for _ in range(repeat):
+            results, wall = scenario.transfer()
+            walls.append(wall)
+        ok = scenario.verify()
+        contiguous = scenario.contiguous
+    finally:
+        scenario.close()
+    c = results["ctx0"]
+    done_lines = [json.loads(line) for line in ctx_d.log().splitlines() if '"transfer.done"' in line]
+    stages = done_lines[-1].get("stages") if done_lines else None
+    rtt = done_lines[-1].get("round_trips") if done_lines else None
+    return {"stages": stages, "round_trips": rtt, "bytes": c.bytes, "path": c.path, "chunks": c.chunks,
+            "best_s": min(walls), "median_s": statistics.median(walls), "gbps": c.bytes / min(walls) / 1e9,
+            "median_gbps": c.bytes / statistics.median(walls) / 1e9,
+            "daemon_gbps": c.bytes / c.duration_s / 1e9 if c.duration_s else 0.0, "verified": ok,
+            "contiguous_ids": contiguous}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -213,6 +226,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--latency-sizes", default="1,4,16,64",
                         help="request sizes (blocks) for the latency table, gen-first and ctx-first; '' = skip (default 1,4,16,64)")
     parser.add_argument("--latency-repeat", type=int, default=30, help="requests per latency row (default 30)")
+    parser.add_argument("--nixl-progress-thread", action="store_true",
+                        help="run both daemons' NIXL agents with their progress thread on (transfer.nixl_progress_thread; "
+                             "default off)")
     return parser
 
 
@@ -232,8 +248,9 @@ def main(argv: list[str] | None = None) -> int:
         lat = {name: latency.run(workdir, lat_sizes, args.latency_repeat, mapped=on, memory="auto", device=0,
                                  gen_device=1)
                for name, on in (("mapped", True), ("nixl", False))} if lat_sizes else {}
-        mapped = _e2e(workdir, max(sizes), sizes, args.repeat, True, args.chunk_mb, args.bounce_mb)
-        nixl = _e2e(workdir, max(sizes), sizes, args.repeat, False, args.chunk_mb, args.bounce_mb)
+        thread = args.nixl_progress_thread
+        mapped = _e2e(workdir, max(sizes), sizes, args.repeat, True, args.chunk_mb, args.bounce_mb, thread)
+        nixl = _e2e(workdir, max(sizes), sizes, args.repeat, False, args.chunk_mb, args.bounce_mb, thread)
         frag = GEOMETRY["tokens_per_block"] * GEOMETRY["head_dim"] * 2 * 2
         raw = _raw_nixl(nbytes, frag, args.repeat, workdir)
         kernel_alone = _kernel_alone(sizes, max(sizes), args.repeat)
@@ -243,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {
         "scenario": {"geometry": GEOMETRY, "ctx_tp": 1, "gen_tp": 4, "blocks": args.blocks, "bytes": nbytes,
                      "gpus": [torch.cuda.get_device_name(i) for i in range(2)], "chunk_mb": args.chunk_mb,
-                     "bounce_mb": args.bounce_mb},
+                     "bounce_mb": args.bounce_mb, "nixl_progress_thread": args.nixl_progress_thread},
         "contiguous_copy_gbps": ceiling,
         "latency": lat,
         "e2e_mapped": mapped,
@@ -282,13 +299,17 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  ratio {k:<36} {v:8.2f}")
         print(f"  ctx-side stages, mapped (s since start): {m.get('stages')}")
         print(f"  ctx-side stages, bounce (s since start): {b.get('stages')}")
-        print("  size sweep (blocks: mapped GB/s, bounce GB/s, the kernel alone GB/s):")
+        print("  size sweep, GB/s (best; median in brackets); shuffled = block ids in random order, "
+              "contiguous = consecutive ids:")
+        print("    blocks   mapped shuffled   mapped contiguous   bounce shuffled   bounce contiguous   kernel alone")
         for n in sizes:
-            print(f"    {n:4d}: {mapped['by_blocks'][n]['gbps']:7.1f}  {nixl['by_blocks'][n]['gbps']:7.1f}"
-                  f"  {kernel_alone[n]:7.1f}")
+            cells = [f"{r[k][n]['gbps']:7.1f} ({r[k][n]['median_gbps']:6.1f})"
+                     for r in (mapped, nixl) for k in ("by_blocks", "by_blocks_contiguous")]
+            print(f"    {n:6d}   {cells[0]:>15}   {cells[1]:>17}   {cells[2]:>15}   {cells[3]:>17}   {kernel_alone[n]:12.1f}")
         for name, lat_rows in lat.items():
             latency.print_rows(f"  latency, {name} path, GPU pools, {args.latency_repeat} requests per row", lat_rows)
         if mapped["fabric_warning"]:
             print(f"  pool policy: {mapped['fabric_warning']}")
-    ok = all(v["verified"] for r in (mapped, nixl) for v in r["by_blocks"].values())
+    ok = all(v["verified"] for r in (mapped, nixl) for k in ("by_blocks", "by_blocks_contiguous")
+             for v in r[k].values())
     return 0 if ok else 1

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import secrets
 import shutil
 import sys
@@ -132,7 +133,7 @@ class Scenario:
     """
 
     def __init__(self, ctx_d: DaemonProcess, gen_d: DaemonProcess, blocks: int, *, seed: int = 1234,
-                 gen_peer: str = "ctx") -> None:
+                 gen_peer: str = "ctx", shuffle: bool = False) -> None:
         self.blocks = blocks
         # gen naming its ctx peer (as a router would tell it) announces its destination: the
         # publish finds it and moves bytes with no peer round trip; "" is offer/accept (one)
@@ -147,6 +148,12 @@ class Scenario:
         self.ctx_ids = self.ctx.alloc("ctx0", blocks)
         self.gen_pools = [c.attach(f"gen{r}") for r, c in enumerate(self.gens)]
         self.gen_ids = [c.alloc(f"gen{r}", blocks) for r, c in enumerate(self.gens)]
+        if shuffle:  # the same blocks in random order on every rank: no two neighbours adjacent in a pool
+            rng = random.Random(seed)
+            for ids in (self.ctx_ids, *self.gen_ids):
+                rng.shuffle(ids)
+        #: whether every rank's request blocks are consecutive ids in order (a fresh pool's alloc)
+        self.contiguous = all(ids == list(range(ids[0], ids[0] + len(ids))) for ids in (self.ctx_ids, *self.gen_ids))
         t = self.ctx_pool.tensor
         gen = torch.Generator(device=t.device).manual_seed(seed)
         self.data = torch.randn((blocks, *t.shape[1:]), generator=gen, device=t.device).to(t.dtype)
@@ -223,7 +230,10 @@ def print_summary(results: dict[str, Completion], wall: float, ok: bool) -> None
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title="kvd demo: GPT-OSS-120B KV, ctx TP1 -> gen TP4, host pools, two daemons on loopback")
+    # every row shows the same bytes, which read as if each gen rank had received the whole request
+    table = Table(title="kvd demo: GPT-OSS-120B KV, ctx TP1 -> gen TP4, host pools, two daemons on loopback",
+                  caption="one row per executor's completion; bytes: the whole request, all ranks of that side "
+                          "together (each gen rank holds a quarter of it, 2 of the 8 KV heads)")
     for col in ("executor", "bytes", "MiB", "GB/s", "path", "chunks", "fallback", "seconds"):
         table.add_column(col)
     for name, c in sorted(results.items()):
@@ -237,6 +247,43 @@ def print_summary(results: dict[str, Completion], wall: float, ok: bool) -> None
                   + ("[green]byte-exact on all 4 gen ranks[/green]" if ok else "[red]MISMATCH[/red]"))
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: an integer of at least 1 (``--blocks 0`` used to reach the daemons,
+    which then refused their own configuration)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {text}")
+    return value
+
+
+#: Host copies of the request the demo holds at once: the ctx pool, the four gen pools
+#: together, and the executor's source tensor it writes and verifies against.
+DEMO_COPIES = 3
+
+
+def host_memory_available() -> int:
+    """Bytes of memory the kernel says can be allocated without swapping (MemAvailable)."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def too_large(blocks: int, available: int) -> str:
+    """Why ``blocks`` cannot run in ``available`` bytes of host memory ("" when it can)."""
+    request = KVLayout(**GEOMETRY).block_bytes(0) * blocks
+    need = DEMO_COPIES * request
+    if need <= available:
+        return ""
+    return (f"--blocks {blocks}: a request of {request / 2**30:.1f} GiB needs about {need / 2**30:.1f} GiB of "
+            f"host memory (ctx pool, gen pools, the executor's copy) and {available / 2**30:.1f} GiB is "
+            f"available; give fewer --blocks (at most {available // DEMO_COPIES // (request // blocks)})")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The options of ``kvd demo``."""
     parser = argparse.ArgumentParser(
@@ -246,10 +293,11 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="kvd demo --model: a small transformer served through kvd, ctx TP1 prefill -> gen TP2/TP4 "
                "decode, compared with one process (kvd demo --model --help)",
     )
-    parser.add_argument("--blocks", type=int, default=32, help="request size in blocks (2.25 MiB each; default 32)")
-    parser.add_argument("--bounce-mb", type=int, default=32,
+    parser.add_argument("--blocks", type=positive_int, default=32,
+                        help="request size in blocks (2.25 MiB each; default 32)")
+    parser.add_argument("--bounce-mb", type=positive_int, default=32,
                         help="bounce buffer of each daemon, in MiB (the NIXL path's staging; default 32)")
-    parser.add_argument("--chunk-mb", type=int, default=8,
+    parser.add_argument("--chunk-mb", type=positive_int, default=8,
                         help="one NIXL write per chunk of this many MiB on the bounce path (default 8)")
     parser.add_argument("--keep", action="store_true", help="keep the work directory (configs, logs)")
     parser.add_argument("--no-mapped", dest="mapped", action="store_false",
@@ -259,7 +307,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``kvd demo``; exit code 0 when every gen rank's bytes match."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if why := too_large(args.blocks, host_memory_available()):
+        parser.error(why)  # before any daemon starts: a torch allocation failure was all it said
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     workdir = Path(tempfile.mkdtemp(prefix="kvd-demo-", dir="/tmp"))
     try:

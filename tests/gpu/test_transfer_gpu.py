@@ -69,3 +69,58 @@ async def test_gpu_equal_layouts_in_long_runs_go_to_the_copy_engines(
     done = [json.loads(line) for line in pair.ctx.log().splitlines()
             if '"transfer.done"' in line and '"gpu-runs"' in line]
     assert done and done[0]["stages"]["gpu_copy_runs"] == 1, done
+
+
+@pytest.mark.parametrize("gen_on_other_gpu", [False, True], ids=["one_gpu", "two_gpus"])
+async def test_gpu_local_path_runs_the_regroup_kernel(
+    gen_on_other_gpu: bool, daemon_factory: Callable[..., DaemonProcess]
+) -> None:
+    """ctx TP1 and gen TP4 pools on one daemon (path ``local``): the regroup kernel moves the
+    request (pushed on one GPU; pulled onto the gen GPU from device-memory sources when the
+    gen pools sit on another GPU), byte-exact, and the bytes outside the request untouched."""
+    import contextlib
+    import json
+
+    import numpy as np
+
+    from clients import open_client
+    from kvd.regroup.plan import plan
+    from tests.transfer_harness import pools_for
+
+    if gen_on_other_gpu and torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    ctx, gen = KVLayout(**GEO), KVLayout(**{**GEO, "tp_size": 4})  # type: ignore[arg-type]
+    gdev = 1 if gen_on_other_gpu else 0
+    d = daemon_factory({"pools": pools_for("ctx", ctx, 32, memory="device", device=0)
+                        + pools_for("gen", gen, 32, memory="device", device=gdev)})
+    async with contextlib.AsyncExitStack() as stack:
+        cc = await stack.enter_async_context(open_client(d.socket_path, client="ctx0"))
+        gcs = [await stack.enter_async_context(open_client(d.socket_path, client=f"gen{r}")) for r in range(4)]
+        cpool = await cc.attach("ctx0")
+        gpools = [await gc.attach(f"gen{r}") for r, gc in enumerate(gcs)]
+        # every block of each pool leased; the request takes 12 of them in random order
+        c_ids = [int(i) for i in np.random.default_rng(1).permutation(await cc.alloc("ctx0", 32))[:12]]
+        g_ids = {r: [int(i) for i in np.random.default_rng(2 + r).permutation(await gc.alloc(f"gen{r}", 32))[:12]]
+                 for r, gc in enumerate(gcs)}
+        cpool.raw.copy_(torch.randint(0, 256, cpool.raw.shape, dtype=torch.uint8, device=cpool.raw.device))
+        for gp in gpools:
+            gp.raw.fill_(0xEE)
+        torch.cuda.synchronize(0)
+        torch.cuda.synchronize(gdev)
+        before = {r: gpools[r].raw.to("cpu", copy=True) for r in range(4)}
+        for r, gc in enumerate(gcs):
+            await gc.expect("r-local", f"gen{r}", gen, r, g_ids[r], peer="kvd")
+        await cc.publish("r-local", "ctx0", ctx, 0, c_ids, peer="kvd")
+        assert (await cc.wait("r-local")).path == "local"
+        for gc in gcs:
+            c = await gc.wait("r-local")
+            assert c.ok and c.path == "local", c
+        p = plan(KVLayout(**{**GEO, "num_blocks": 32}), KVLayout(**{**GEO, "tp_size": 4, "num_blocks": 32}),  # type: ignore[arg-type]
+                 {0: c_ids}, g_ids)
+        expected = {r: before[r].clone() for r in range(4)}
+        p.apply({0: cpool.raw.to("cpu", copy=True)}, expected)
+        for r in range(4):
+            assert torch.equal(gpools[r].raw.to("cpu"), expected[r]), f"gen rank {r}"
+    done = [json.loads(line) for line in d.log().splitlines() if '"transfer.done"' in line and '"ctx"' in line]
+    assert done and done[-1]["stages"].get("gpu_kernel_launches", 0) >= 1, done
+    assert done[-1]["stages"].get("gpu_kernel_pull", 0) == int(gen_on_other_gpu)

@@ -1,12 +1,20 @@
-"""ctx and gen pools on one daemon: regroup pool to pool (path ``local``)."""
+"""ctx and gen pools on one daemon: regroup pool to pool (path ``local``).
+
+On GPUs the run-time compiled regroup kernel does it when every pool can be reached from the
+launching GPU (one launch per source rank, completion by CUDA event polled from the event
+loop, as on the mapped path); otherwise, and on host memory, the movers' torch / numpy
+regroup (small host requests on the event loop, the rest in a worker thread).
+"""
 
 from __future__ import annotations
 
 from functools import partial
+from typing import Literal
 
+import torch
 import trio
 
-from kvd.transfer.movers import INLINE_BYTES, regroup_into
+from kvd.transfer.movers import INLINE_BYTES, regroup_into, regroup_kernel
 from kvd.transfer.paths.base import Job, Sent
 
 
@@ -31,11 +39,49 @@ def send_now(job: Job) -> Sent:
     return Sent(writes=0, chunks=len(p.pairs()), nbytes=nbytes)
 
 
+async def kernel_side(job: Job) -> Literal["src", "dst"] | None:
+    """Where the regroup kernel runs for a local request, or None when it cannot: on the
+    source GPU when every pool is on it; on each destination GPU (pull) when the sources are
+    plain device memory, which peer GPUs can read (VMM pools are mapped for their own GPU
+    only). The first call per device compiles or loads the kernel in a worker thread."""
+    from kvd.regroup import kernel as kernel_mod
+
+    src_devices = {pool.device for pool in job.src.values()}
+    dst_devices = {t.device.index if t.is_cuda else -1 for t in job.dst.values()}
+    if min(src_devices | dst_devices) < 0:
+        return None
+    where: Literal["src", "dst"]
+    if len(src_devices | dst_devices) == 1:
+        where, need = "src", src_devices
+    elif all(pool.kind == "device" for pool in job.src.values()):
+        where, need = "dst", dst_devices
+    else:
+        return None
+    for dev in sorted(need):
+        ready = kernel_mod.kernel_ready(dev)
+        if ready is None:
+            ready = await trio.to_thread.run_sync(kernel_mod.kernel_available, dev)
+        if not ready:
+            return None
+    return where
+
+
 async def send(job: Job) -> Sent:
-    """Copy the request's bytes from ``job.src`` into ``job.dst``; small ones on the event loop."""
+    """Copy the request's bytes from ``job.src`` into ``job.dst``."""
     p = job.plan
-    src = {r: pool.tensor() for r, pool in job.src.items()}
     nbytes = p.total_bytes()
+    where = await kernel_side(job)
+    if where is not None:
+        job.progress.posted()
+        try:
+            nbytes = await regroup_kernel(p, {r: pool.tensor_u8() for r, pool in job.src.items()},
+                                          {r: _flat_bytes(t) for r, t in job.dst.items()}, launch_on=where,
+                                          timings=job.stages)
+        finally:
+            job.progress.ended()
+        job.progress.moved(nbytes, len(p.pairs()))
+        return Sent(writes=0, chunks=len(p.src_ranks()), nbytes=nbytes)
+    src = {r: pool.tensor() for r, pool in job.src.items()}
     move = partial(regroup_into, p, src, job.dst, gpu_chunk_bytes=job.gpu_chunk_bytes,
                    chunk_bytes=job.chunk_bytes, timings=job.stages)
     job.progress.posted()
@@ -50,3 +96,8 @@ async def send(job: Job) -> Sent:
         job.progress.ended()
     job.progress.moved(nbytes, len(p.pairs()))
     return Sent(writes=0, chunks=len(p.pairs()), nbytes=nbytes)
+
+
+def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A pool tensor as the flat bytes the kernel addresses (zero-copy)."""
+    return t.view(-1).view(torch.uint8)
