@@ -90,7 +90,9 @@ class SessionConnection:
         self.daemon = daemon
         self.stream = stream
         self.session = session
-        self._send_lock = trio.Lock()
+        # a semaphore, not a trio.Lock: a wait's early reply (write_nowait) may take it in the
+        # step of whoever reported the request and leave the rest to the wait's own task
+        self._send_lock = trio.Semaphore(1)
         self._frames = FrameBuffer(daemon.config.limits.max_frame_size)
 
     @property
@@ -116,7 +118,7 @@ class SessionConnection:
         what the socket did not take (``b""``: all of it went), to be passed to
         :meth:`finish_write`, which must follow (the send lock is held until then when some
         is left); None when another reply is being written (nothing done: use :meth:`send`)."""
-        if self._send_lock.locked():
+        if self._send_lock.value == 0:
             return None
         data, _ = self._encode(msg)
         sent = self._write_now(data)
@@ -155,7 +157,7 @@ class SessionConnection:
             raise
         if not whole:
             fds = None
-        if not fds and not self._send_lock.locked():
+        if not fds and self._send_lock.value:
             # no other reply under way: straight into the socket, without the two scheduler
             # passes (lock, send) an awaited write costs (~30-100 us each on a busy host); what
             # the socket does not take now is written under the lock, taken at once (no
