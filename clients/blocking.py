@@ -98,20 +98,41 @@ class Client:
                 self._sock.sendall(encode(msg))
             except OSError as exc:
                 raise ConnectionClosed(f"cannot send to the daemon: {exc}", by_peer=True) from None
-            while True:
-                reply, fds = self._receive()
-                if reply.id == msg.id:
-                    break
-                if isinstance(reply, m.Error) and reply.id == 0:
-                    raise error_from_code(reply.code, reply.message)
-                for fd in fds:
-                    os.close(fd)
+            reply, fds = self._receive_reply(msg.id)
         try:
             return check_reply(reply, expected), fds
         except BaseException:
             for fd in fds:
                 os.close(fd)
             raise
+
+    def _receive_reply(self, request_id: int) -> tuple[m.Message, list[int]]:
+        """The reply to ``request_id`` (replies to other ids are dropped: calls that gave up)."""
+        while True:
+            reply, fds = self._receive()
+            if reply.id == request_id:
+                return reply, fds
+            if isinstance(reply, m.Error) and reply.id == 0:
+                raise error_from_code(reply.code, reply.message)
+            for fd in fds:
+                os.close(fd)
+
+    def _register_and_wait(self, msg: m.Expect | m.Publish, timeout_s: float | None) -> m.Completion:
+        """Send the registration and its wait in one write, then read both replies: the
+        daemon takes the wait as soon as the registration is done, with no client turn between."""
+        wait = m.Wait(id=self._id(), request_id=msg.request_id, timeout_s=timeout_s)
+        with self._lock:
+            try:
+                self._sock.sendall(encode(msg) + encode(wait))
+            except OSError as exc:
+                raise ConnectionClosed(f"cannot send to the daemon: {exc}", by_peer=True) from None
+            registered, fds = self._receive_reply(msg.id)
+            _close_all(fds)
+            # a refused registration raises here; its wait's reply (an error) is dropped later
+            check_reply(registered, m.Registered)
+            reply, fds = self._receive_reply(wait.id)
+            _close_all(fds)
+        return completion_or_raise(check_reply(reply, m.Completion))
 
     def _call(self, msg: m.Message, expected: type[T]) -> T:
         reply, fds = self._call_with_fds(msg, expected)
@@ -199,6 +220,42 @@ class Client:
         msg = publish_request(self._id(), request_id, pool, layout, rank, block_ids, peer, ranks, deadline_s)
         self._call(msg, m.Registered)
 
+    def expect_and_wait(
+        self,
+        request_id: str,
+        pool: str,
+        layout: KVLayout,
+        rank: int,
+        block_ids: list[int],
+        *,
+        ranks: list[int] | None = None,
+        deadline_s: float | None = None,
+        peer: str = "",
+        timeout_s: float | None = None,
+    ) -> m.Completion:
+        """:meth:`expect` and :meth:`wait` sent together (one write, no turn between them):
+        returns the completion; a refused registration raises as :meth:`expect` does."""
+        msg = expect_request(self._id(), request_id, pool, layout, rank, block_ids, ranks, deadline_s, peer)
+        return self._register_and_wait(msg, timeout_s)
+
+    def publish_and_wait(
+        self,
+        request_id: str,
+        pool: str,
+        layout: KVLayout,
+        rank: int,
+        block_ids: list[int],
+        peer: str,
+        *,
+        ranks: list[int] | None = None,
+        deadline_s: float | None = None,
+        timeout_s: float | None = None,
+    ) -> m.Completion:
+        """:meth:`publish` and :meth:`wait` sent together (one write, no turn between them):
+        returns the completion; a refused registration raises as :meth:`publish` does."""
+        msg = publish_request(self._id(), request_id, pool, layout, rank, block_ids, peer, ranks, deadline_s)
+        return self._register_and_wait(msg, timeout_s)
+
     def wait(self, request_id: str, timeout_s: float | None = None) -> m.Completion:
         reply = self._call(m.Wait(id=self._id(), request_id=request_id, timeout_s=timeout_s), m.Completion)
         return completion_or_raise(reply)
@@ -206,3 +263,8 @@ class Client:
     def cancel(self, request_id: str, *, force: bool = False) -> None:
         """Cancel a request this session registered (``force``: an operator cancelling any)."""
         self._call(m.Cancel(id=self._id(), request_id=request_id, force=force), m.Ok)
+
+
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)

@@ -120,6 +120,40 @@ class AsyncClient:
                 os.close(fd)
             raise
 
+    async def _register_and_wait(self, msg: m.Expect | m.Publish, timeout_s: float | None) -> m.Completion:
+        """Send the registration and its wait in one write, then await both replies: the
+        daemon takes the wait as soon as the registration is done, with no client turn between."""
+        if self._closed is not None:
+            raise self._closed
+        wait = m.Wait(id=self._id(), request_id=msg.request_id, timeout_s=timeout_s)
+        registered, done = _Pending(), _Pending()
+        self._pending[msg.id], self._pending[wait.id] = registered, done
+        data = encode(msg) + encode(wait)
+        try:
+            async with self._send_lock:
+                view = memoryview(data)
+                while view:
+                    view = view[await self._sock.send(view) :]
+        except OSError as exc:
+            self._pending.pop(msg.id, None)
+            self._pending.pop(wait.id, None)
+            raise ConnectionClosed(f"cannot send to the daemon: {exc}", by_peer=True) from None
+        for pending in (registered, done):
+            await pending.event.wait()
+            if pending.reply is None:
+                assert self._closed is not None
+                raise self._closed
+            for fd in pending.fds:
+                os.close(fd)
+            if pending is registered:
+                try:
+                    check_reply(pending.reply, m.Registered)
+                except BaseException:  # refused: its wait's reply (an error) is dropped on arrival
+                    self._pending.pop(wait.id, None)
+                    raise
+        assert done.reply is not None
+        return completion_or_raise(check_reply(done.reply, m.Completion))
+
     async def _call(self, msg: m.Message, expected: type[T]) -> T:
         reply, fds = await self._call_with_fds(msg, expected)
         for fd in fds:
@@ -222,6 +256,42 @@ class AsyncClient:
         """ctx side: this rank's KV for ``request_id`` is in ``block_ids``; send it to ``peer``."""
         msg = publish_request(self._id(), request_id, pool, layout, rank, block_ids, peer, ranks, deadline_s)
         await self._call(msg, m.Registered)
+
+    async def expect_and_wait(
+        self,
+        request_id: str,
+        pool: str,
+        layout: KVLayout,
+        rank: int,
+        block_ids: list[int],
+        *,
+        ranks: list[int] | None = None,
+        deadline_s: float | None = None,
+        peer: str = "",
+        timeout_s: float | None = None,
+    ) -> m.Completion:
+        """:meth:`expect` and :meth:`wait` sent together (one write, no turn between them):
+        returns the completion; a refused registration raises as :meth:`expect` does."""
+        msg = expect_request(self._id(), request_id, pool, layout, rank, block_ids, ranks, deadline_s, peer)
+        return await self._register_and_wait(msg, timeout_s)
+
+    async def publish_and_wait(
+        self,
+        request_id: str,
+        pool: str,
+        layout: KVLayout,
+        rank: int,
+        block_ids: list[int],
+        peer: str,
+        *,
+        ranks: list[int] | None = None,
+        deadline_s: float | None = None,
+        timeout_s: float | None = None,
+    ) -> m.Completion:
+        """:meth:`publish` and :meth:`wait` sent together (one write, no turn between them):
+        returns the completion; a refused registration raises as :meth:`publish` does."""
+        msg = publish_request(self._id(), request_id, pool, layout, rank, block_ids, peer, ranks, deadline_s)
+        return await self._register_and_wait(msg, timeout_s)
 
     async def wait(self, request_id: str, timeout_s: float | None = None) -> m.Completion:
         """Wait for the transfer; returns its Completion, raises its error if it failed.

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, TypeVar
@@ -229,9 +229,17 @@ class Daemon:
             return m.Ok(id=msg.id), []
         raise BadRequest(f"unexpected message {type(msg).__name__}")
 
-    async def wait(self, session: Session, msg: m.Wait) -> m.Message:
-        """Wait for a request's completion (runs as a session task)."""
-        return await self._engine().wait(session, msg)
+    def after_reply(self) -> None:
+        """Work the request just handled left for after its reply (see
+        :meth:`kvd.transfer.engine.Engine.run_after_reply`); the session calls it every time."""
+        if self.engine is not None:
+            self.engine.run_after_reply()
+
+    async def wait(self, session: Session, msg: m.Wait,
+                   answer: Callable[[m.Completion], object] | None = None) -> m.Message:
+        """Wait for a request's completion (runs as a session task); ``answer`` gets it in the
+        step that reports it (see :meth:`kvd.transfer.engine.Engine.wait`)."""
+        return await self._engine().wait(session, msg, answer)
 
     def completion_now(self, session: Session, msg: m.Wait) -> m.Message | None:
         """The reply to a wait whose request has ended already, else None (then :meth:`wait`)."""

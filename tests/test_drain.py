@@ -15,9 +15,11 @@ import pytest
 
 from clients import Client
 from kvd.demo.launch import DaemonProcess
+from protocol import messages as m
+from protocol.codec import encode
 from protocol.errors import DaemonStopping
 from protocol.layout import KVLayout
-from tests.hostile import IO_TIMEOUT, events, wait_until
+from tests.hostile import IO_TIMEOUT, Raw, events, wait_until
 from tests.transfer_harness import start_pair
 
 Factory = Callable[..., DaemonProcess]
@@ -134,14 +136,23 @@ def test_local_request_without_its_gen_side_fails_on_sigterm(daemon_factory: Fac
     """ctx and gen on one daemon, gen never registers: the executor's wait, blocked in a thread,
     raises DaemonStopping; the daemon stops at once (not after drain_timeout_s)."""
     d = daemon_factory({"drain_timeout_s": 300.0}, name="solo")
-    with Client(d.socket_path, client="ctx", timeout=IO_TIMEOUT) as ctx, ThreadPoolExecutor(1) as pool:
+    with Client(d.socket_path, client="ctx", timeout=IO_TIMEOUT) as ctx:
         layout = ctx.pools()[0].layout
-        ids = ctx.alloc("host0", 2)
-        ctx.publish("alone", "host0", layout, 0, ids, peer="solo", deadline_s=300)
-        waiting = pool.submit(ctx.wait, "alone", 60)
-        d.proc.send_signal(signal.SIGTERM)
-        with pytest.raises(DaemonStopping, match="other side never came"):
-            waiting.result(IO_TIMEOUT)
+    raw = Raw(d.socket_path)  # the wait must be in before the signal: its Ping answered after it
+    raw.hello("ctx")
+    raw.send_body({"type": "alloc", "id": 2, "pool": "host0", "count": 2})
+    alloc = raw.receive()
+    assert isinstance(alloc, m.Allocated)
+    raw.send(encode(m.Publish(id=3, request_id="alone", pool="host0", layout=layout, rank=0,
+                              block_ids=alloc.block_ids, peer="solo", deadline_s=300))
+             + encode(m.Wait(id=4, request_id="alone", timeout_s=60)) + encode(m.Ping(id=5)))
+    assert isinstance(raw.receive(), m.Registered)
+    assert isinstance(raw.receive(), m.Pong)  # frames are served in order: the wait is waiting
+    d.proc.send_signal(signal.SIGTERM)
+    done = raw.receive()
+    assert isinstance(done, m.Completion) and done.id == 4 and not done.ok, done
+    assert done.error_code == DaemonStopping.code and "other side never came" in done.error_message, done
+    raw.close()
     assert d.proc.wait(IO_TIMEOUT) == 0
     assert events(d, "daemon.drain_unmatched")[0]["request_ids"] == ["alone"]
     assert not events(d, "daemon.drain_timeout")

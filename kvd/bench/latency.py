@@ -6,9 +6,11 @@ first (naming their ctx peer: the destination is announced before ``publish``) a
 executor publishing first (offer/accept), and reports:
 
 - end-to-end latency, p50 and p99: from the last registration call (the one that completes the
-  request) until every executor has its completion, the executors already waiting as a
+  request) until every executor has its completion, the other executors already waiting as a
   serving engine's would (each in its own thread, its ``wait`` sent before the request
-  completes); also until the ctx executor has its completion; GB/s at p50;
+  completes) and the completing one sending its registration and its wait together
+  (``publish_and_wait`` / ``expect_and_wait``); also until the ctx executor has its
+  completion; GB/s at p50;
 - the ctx side's stage timings (median seconds since its data path started: ``planned``,
   ``data_out``) from the daemon's ``transfer.done`` line;
 - the peer round trips the ctx side waited for before data moved (0 when gen announced).
@@ -51,9 +53,11 @@ class _Executors:
         self.ctx_ids = self.ctx.alloc("ctx0", blocks)
         self.gen_ids = [c.alloc(f"gen{r}", blocks) for r, c in enumerate(self.gens)]
 
-    def once(self, rid: str, gen_first: bool) -> tuple[float, float, int]:
+    def once(self, rid: str, gen_first: bool, pipelined: bool = True) -> tuple[float, float, int]:
         """One request; returns (seconds from the completing registration to every executor's
-        completion, to the ctx executor's, bytes)."""
+        completion, to the ctx executor's, bytes). ``pipelined``: the completing executor sends
+        its registration and its wait together (``publish_and_wait`` / ``expect_and_wait``);
+        else it registers, then waits from a thread started after the registration returned."""
         done_at: dict[str, float] = {}
         nbytes: list[int] = []
         errors: list[BaseException] = []
@@ -85,8 +89,13 @@ class _Executors:
             threads += [waiter(f"gen{r}", c) for r, c in enumerate(self.gens)]
             time.sleep(SETTLE_S)  # let the waits reach the daemon (a benchmark, not a test)
             t0 = time.perf_counter()
-            publish()
-            threads.append(waiter("ctx", self.ctx))
+            if pipelined:
+                c = self.ctx.publish_and_wait(rid, "ctx0", self.ctx_layout, 0, self.ctx_ids, peer="gen", timeout_s=60)
+                done_at["ctx"] = time.perf_counter()
+                nbytes.append(c.bytes)
+            else:
+                publish()
+                threads.append(waiter("ctx", self.ctx))
         else:
             publish()
             threads.append(waiter("ctx", self.ctx))
@@ -95,8 +104,14 @@ class _Executors:
             threads += [waiter(f"gen{r}", self.gens[r]) for r in range(GEN_TP - 1)]
             time.sleep(SETTLE_S)
             t0 = time.perf_counter()
-            expect(GEN_TP - 1)
-            threads.append(waiter(f"gen{GEN_TP - 1}", self.gens[GEN_TP - 1]))
+            last = GEN_TP - 1
+            if pipelined:
+                self.gens[last].expect_and_wait(rid, f"gen{last}", self.gen_layout, last, self.gen_ids[last],
+                                                timeout_s=60)
+                done_at[f"gen{last}"] = time.perf_counter()
+            else:
+                expect(last)
+                threads.append(waiter(f"gen{last}", self.gens[last]))
         for th in threads:
             th.join(90)
         if errors:
@@ -127,11 +142,12 @@ def _done_lines(d: DaemonProcess) -> dict[str, dict[str, Any]]:
 
 
 def run(workdir: Path, sizes: list[int], repeat: int, *, mapped: bool, memory: str = "host", device: int = -1,
-        gen_device: int | None = None) -> list[dict[str, Any]]:
+        gen_device: int | None = None, pipelined: bool = True) -> list[dict[str, Any]]:
     """Measure every size and order on one pair of daemons; one row per (size, order).
 
     Host pools by default; ``memory="auto", device=0, gen_device=1`` puts the ctx pool on GPU 0
-    and the four gen pools on GPU 1 (the GPU bench's placement).
+    and the four gen pools on GPU 1 (the GPU bench's placement). ``pipelined``: the completing
+    executor sends its registration and wait together (see :meth:`_Executors.once`).
     """
     sub = workdir / ("lat-mapped" if mapped else "lat-nixl")
     sub.mkdir()
@@ -144,8 +160,8 @@ def run(workdir: Path, sizes: list[int], repeat: int, *, mapped: bool, memory: s
         for blocks in sizes:
             ex = _Executors(ctx_d, gen_d, blocks)
             try:
-                ex.once(f"warm-{blocks}", True)
-                ex.once(f"warm2-{blocks}", False)
+                ex.once(f"warm-{blocks}", True, pipelined)
+                ex.once(f"warm2-{blocks}", False, pipelined)
                 for gen_first in (True, False):
                     walls: list[float] = []
                     ctx_walls: list[float] = []
@@ -153,7 +169,7 @@ def run(workdir: Path, sizes: list[int], repeat: int, *, mapped: bool, memory: s
                     rids = []
                     for i in range(repeat):
                         rid = f"b{blocks}-{'g' if gen_first else 'c'}-{i}"
-                        wall, ctx_wall, nbytes = ex.once(rid, gen_first)
+                        wall, ctx_wall, nbytes = ex.once(rid, gen_first, pipelined)
                         walls.append(wall)
                         ctx_walls.append(ctx_wall)
                         rids.append(rid)

@@ -15,15 +15,16 @@ import trio
 async def send_with_fds(sock: trio.socket.SocketType, data: bytes, fds: list[int]) -> None:
     """Send ``data`` with ``fds`` attached to its first byte; then the rest, if any."""
     if not fds:
-        await _send_all(sock, data)
+        await send_rest(sock, data)
         return
     ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())]
     sent = await sock.sendmsg([data], ancillary)
     if sent < len(data):
-        await _send_all(sock, data[sent:])
+        await send_rest(sock, data[sent:])
 
 
-async def _send_all(sock: trio.socket.SocketType, data: bytes) -> None:
+async def send_rest(sock: trio.socket.SocketType, data: bytes) -> None:
+    """Write all of ``data`` (no fds), awaiting the socket as needed."""
     view = memoryview(data)
     while view:
         n = await sock.send(view)

@@ -25,6 +25,7 @@ import time
 from functools import partial
 from typing import TYPE_CHECKING
 
+import msgspec
 import structlog
 import trio
 
@@ -83,9 +84,17 @@ class Engine:
         self._live: set[Transfer] = set()
         self._idle = trio.Event()
         self._idle.set()
-        self._wake = trio.Event()  # set when a transfer starts: the idle poller wakes up
+        self._wake = trio.Event()  # set when a transfer takes a NIXL path: the idle poller wakes up
+        # transfers whose path moves bytes over NIXL: the poller spins while one runs. Mapped
+        # and local transfers need no notification, and a spinning poller is a task step in
+        # every scheduler pass (and a core busy) for the whole life of every request
+        self._nixl_live: set[Transfer] = set()
+        # work a registration started that runs once the executor has its reply (run_after_reply)
+        self._after_reply: list[Callable[[], None]] | None = None
+        self._deferred: list[Callable[[], None]] = []
         self._env = Env(node=self.node, cfg=self.cfg, nixl=self._nixl, links=lambda: self.links,
-                        staging=self._staging, on_report=self._on_report, on_finished=self._on_finished)
+                        staging=self._staging, on_report=self._on_report, on_finished=self._on_finished,
+                        on_nixl=self._on_nixl, after_reply=self._defer)
 
     # -- lifecycle --------------------------------------------------------------------------
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -105,9 +114,9 @@ class Engine:
                                        deliver=self.deliver, link_up=self.link_up, link_lost=self.link_lost)
                 self.peer_port = await nursery.start(self.links.run)
                 # one poller for the agent's life: without NIXL's progress thread it also drives
-                # UCX; it spins while transfers run and backs off when the daemon is idle
+                # UCX; it spins while transfers run over NIXL and backs off otherwise
                 nursery.start_soon(partial(poll_notifications, transport.agent, self._on_notif,
-                                           hot=lambda: self._running > 0, idle_max=0.05,
+                                           hot=lambda: bool(self._nixl_live), idle_max=0.05,
                                            wakeup=lambda: self._wake))
                 task_status.started()
         finally:
@@ -270,8 +279,30 @@ class Engine:
                 if old.finished.is_set():
                     self._collect(session.id, old)
         # last: the transfer may act on it at once (start the data path, or report an outcome,
-        # which releases what was just recorded)
-        t.feed(event)
+        # which releases what was just recorded); a data path that runs in the caller's step
+        # waits for run_after_reply, so the executor has its reply first
+        self._after_reply = self._deferred
+        try:
+            t.feed(event)
+        finally:
+            self._after_reply = None
+
+    def _defer(self, fn: Callable[[], None]) -> bool:
+        if self._after_reply is None:
+            return False
+        self._after_reply.append(fn)
+        return True
+
+    def run_after_reply(self) -> None:
+        """Run what the registration just handled left for after its reply (the session calls
+        this once the reply is written, or before it awaits the socket, with no checkpoint
+        between the registration and here: nothing else can happen to the request meanwhile)."""
+        work, self._deferred = self._deferred, []
+        for fn in work:
+            try:
+                fn()
+            except Exception:  # a bug: that request fails at its deadline, the session serves on
+                log.exception("transfer.internal_error")
 
     def _start(self, rid: str, peer: str, here: set[f.Role]) -> Transfer:
         assert self._nursery is not None
@@ -280,10 +311,15 @@ class Engine:
         self._live.add(t)
         self._running += 1
         self._idle = trio.Event()
-        self._wake.set()
-        self._wake = trio.Event()
         self._nursery.start_soon(t.run)
         return t
+
+    def _on_nixl(self, t: Transfer) -> None:
+        """``t`` moves bytes over NIXL: the poller spins (woken at once if it sleeps) until it ends."""
+        if not t.finished.is_set():
+            self._nixl_live.add(t)
+            self._wake.set()
+            self._wake = trio.Event()
 
     def _of_session(self, session: Session, rid: str) -> Transfer:
         t = self._by_session.get(session.id, {}).get(rid)
@@ -301,22 +337,40 @@ class Engine:
         completion = sides[0].completion
         assert completion is not None
         self._collect(session.id, t)
-        return m.Completion(**{**{k: getattr(completion, k) for k in completion.__struct_fields__}, "id": msg.id})
+        return msgspec.structs.replace(completion, id=msg.id)
 
-    async def wait(self, session: Session, msg: m.Wait) -> m.Completion:
-        """The completion of the session's side(s) of the request."""
+    async def wait(self, session: Session, msg: m.Wait,
+                   answer: Callable[[m.Completion], object] | None = None) -> m.Completion:
+        """The completion of the session's side(s) of the request. ``answer``, when given, is
+        called with it in the step that reports the last of those sides (the executor's reply
+        can go out there, without waiting for this task to be scheduled again)."""
         t = self._of_session(session, msg.request_id)
         sides = [s for s in t.sides.values() if session.id in s.sessions()]
-        with trio.move_on_after(math.inf if msg.timeout_s is None else msg.timeout_s):
+        waiting = True  # an answer after this wait timed out would be a second reply to it
+
+        def early() -> None:
+            if waiting and answer is not None and all(s.completion is not None for s in sides):
+                first = sides[0].completion
+                assert first is not None
+                answer(msgspec.structs.replace(first, id=msg.id))
+
+        if answer is not None:
             for s in sides:
-                await s.done.wait()
+                if s.completion is None:
+                    s.on_reported.append(early)
+        try:
+            with trio.move_on_after(math.inf if msg.timeout_s is None else msg.timeout_s):
+                for s in sides:
+                    await s.done.wait()
+        finally:
+            waiting = False
         if any(s.completion is None for s in sides):
             raise WaitTimeout(f"request {msg.request_id!r} still running after wait timeout {msg.timeout_s}s; "
                               "it goes on (wait again, or cancel it)")
         completion = sides[0].completion
         assert completion is not None
         self._collect(session.id, t)
-        return m.Completion(**{**{k: getattr(completion, k) for k in completion.__struct_fields__}, "id": msg.id})
+        return msgspec.structs.replace(completion, id=msg.id)
 
     async def cancel(self, session: Session, msg: m.Cancel) -> None:
         """Cancel the request: the registering session's sides, or every side with ``force``."""
@@ -445,6 +499,7 @@ class Engine:
 
     def _on_finished(self, t: Transfer) -> None:
         self._live.discard(t)
+        self._nixl_live.discard(t)
         self._running -= 1
         if self._running == 0:
             self._idle.set()

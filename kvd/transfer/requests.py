@@ -10,10 +10,12 @@ rank takes part, and all ranks agree on layout, participants and peer.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 import msgspec
+import structlog
 import trio
 
 from protocol import messages as m
@@ -25,6 +27,8 @@ if TYPE_CHECKING:
     from kvd.pool import Pool
 
 Role = Literal["ctx", "gen"]
+
+log = structlog.get_logger("kvd.transfer")
 
 
 @dataclass(eq=False)
@@ -64,6 +68,9 @@ class Side:
     complete_at: float = 0.0
     #: stage name -> seconds since ``started`` when it ended (logged with the transfer)
     stages: dict[str, float] = field(default_factory=dict)
+    #: called once the outcome is reported (after the daemon logged and released it), in the
+    #: reporting step: a waiting executor's reply goes out there, not a scheduler pass later
+    on_reported: list[Callable[[], None]] = field(default_factory=list)
 
     def mark(self, stage: str) -> None:
         """Record that ``stage`` just ended (for the per-transfer log line)."""
@@ -87,6 +94,15 @@ class Side:
         self.state = "done" if completion.ok else "failed"
         self.done.set()
         return True
+
+    def reported(self) -> None:
+        """Run (once) what waits for the reported outcome; one that raises does not stop the rest."""
+        callbacks, self.on_reported = self.on_reported, []
+        for cb in callbacks:
+            try:
+                cb()
+            except Exception:  # a waiter's own failure (its executor's socket): its task sees it
+                log.exception("transfer.waiter_failed", request_id=self.request_id, role=self.role)
 
     def fail(self, exc: KvdError, peer: str = "") -> bool:
         return self.finish(

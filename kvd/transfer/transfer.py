@@ -60,6 +60,8 @@ INLINE_PLAN_BLOCKS = 4096
 PREGRANT_SLOTS = 2
 
 _PATHS = {p.value: p for p in f.Path}
+#: Paths whose bytes (or credits) travel over NIXL: notifications to poll, UCX to drive.
+NIXL_PATHS = frozenset({f.Path.DIRECT, f.Path.FRAGMENT, f.Path.BOUNCE})
 _PATHS["fragment-fallback"] = f.Path.FRAGMENT  # older daemons' name
 
 
@@ -95,6 +97,12 @@ class Env:
     on_report: Callable[[Transfer, Side, m.Completion], None]
     #: called once when the transfer has nothing left running
     on_finished: Callable[[Transfer], None]
+    #: called once when the transfer's path turns out to move bytes over NIXL (direct,
+    #: fragment, bounce): the notification poller spins only while such a transfer runs
+    on_nixl: Callable[[Transfer], None] = field(default=lambda t: None)
+    #: takes work to run right after the executor's reply to the registration being handled
+    #: now (True), or refuses it (False: no registration is being handled; run it now)
+    after_reply: Callable[[Callable[[], None]], bool] = field(default=lambda fn: False)
 
 
 @dataclass
@@ -186,6 +194,7 @@ class Transfer:
         self._inline = False  # actions are running in a caller's step
         self._deferred: list[f.Action] = []  # actions of events fed meanwhile: they go after
         self._backlog: list[x.XferMessage] | None = None  # messages waiting for the link, in order
+        self.uses_nixl = False  # its path moves bytes over NIXL (told to the engine once)
 
     @property
     def key(self) -> tuple[str, str]:
@@ -203,6 +212,9 @@ class Transfer:
         before = self.machine.deadline
         actions = self.machine.handle(event)
         mark("feed", type(event).__name__, actions)
+        if not self.uses_nixl and self.machine.path in NIXL_PATHS:
+            self.uses_nixl = True
+            self.env.on_nixl(self)
         if self._inline:  # fed by an action running now: after the rest of its list
             self._deferred.extend(actions)
             return
@@ -473,7 +485,10 @@ class Transfer:
         if isinstance(a, f.Report):
             self._report(a)
         elif isinstance(a, f.StartData):
-            self._start(self._send_task if a.path is None else self._local_task)
+            if a.path is None:
+                self._start_send()
+            else:
+                self._start(self._local_task)
         elif isinstance(a, f.StartReceive):
             self._start_receive(a.path)
         elif isinstance(a, f.AbortWrites):
@@ -618,6 +633,7 @@ class Transfer:
             side.mark("reported")
         side.finish(completion)
         self.env.on_report(self, side, completion)
+        side.reported()  # waiting executors' replies, now that the outcome is logged and released
         mark("reported")
 
     # -- data path: ctx -----------------------------------------------------------------------------
@@ -693,36 +709,115 @@ class Transfer:
 
         await self._guarded(f.Role.CTX, body)
 
+    def _start_send(self) -> None:
+        """Start ctx's data path: right here when the whole of it needs no waiting (a small
+        request into mapped host pools: plan, copy, report and the data-done message all in the
+        step that completed the request, usually the executor's publish, once its reply went
+        out), else as a task."""
+        if self.env.after_reply(self._start_send_now):
+            return
+        self._start_send_now()
+
+    def _start_send_now(self) -> None:
+        if self.machine.state(f.Role.CTX) is not f.State.SENDING:
+            return  # failed or cancelled before it started: nothing was written, nothing will be
+        try:
+            if self._send_now():
+                return
+        except Exception as exc:  # as in a task: the machine hears of it (once), the caller goes on
+            with structlog.contextvars.bound_contextvars(request_id=self.request_id):
+                self._fail_task(f.Role.CTX, exc)
+            return
+        self._start(self._send_task)
+
+    def _send_started(self) -> tuple[Side, PeerLink]:
+        side = self.sides[f.Role.CTX]
+        side.started = time.monotonic()
+        if side.complete_at:  # from the last registration to the data path's start
+            side.stages["queued"] = round(side.started - side.complete_at, 6)
+        side.state = "planning"
+        links = self.env.links()
+        link = links.links.get(self.peer) if links is not None else None
+        if link is None:
+            raise PeerUnavailable(f"request {self.request_id!r}: link to peer {self.peer} is down")
+        return side, link
+
+    def _send_job(self, side: Side, link: PeerLink, p: Plan) -> Job:
+        side.mark("planned")
+        mark("planned")
+        job = self._job(p, side)
+        job.nixl, job.remote_agent, job.remote_pools = self.env.nixl(), link.agent, self.remote.pools
+        side.state = "sending"
+        return job
+
+    def _sent(self, side: Side, sent: Sent) -> None:
+        self.sent = sent
+        side.mark("data_out")
+        self.feed(f.DataOut(f.Role.CTX, sent.writes, sent.nbytes))
+
+    def _send_now(self) -> bool:
+        """The ctx data path in this step if it takes no waiting; False (nothing done) if not."""
+        side = self.sides.get(f.Role.CTX)
+        links = self.env.links()
+        link = links.links.get(self.peer) if links is not None else None
+        if side is None or link is None or self._plan is not None:
+            return False
+        maps = self._mapped_dst(link)
+        blocks = sum(len(p.block_ids) for p in side.parts.values()) + sum(map(len, self.remote.blocks.values()))
+        if maps is None or blocks > INLINE_PLAN_BLOCKS or any(p.pool.device >= 0 for p in side.parts.values()):
+            return False
+        side, link = self._send_started()
+        self._plan = p = plan(side.layout, self._remote_layout(), side.blocks_by_rank(), self.remote.blocks)
+        for s in self.sides.values():
+            s.bytes_total = p.total_bytes()
+        job = self._send_job(side, link, p)
+        if not set(p.dst_ranks()) <= set(maps) or not local.fits_inline(job):
+            return self._send_rest_as_task(job, link, p)  # the path is chosen there, as always
+        job.dst = {r: v.tensor for r, v in maps.items()}
+        job.mapped = dict(maps)
+        self.feed(f.PathChosen(f.Role.CTX, f.Path.MAPPED))
+        sent = mapped.send_now(job)
+        if sent is None:  # cannot happen after fits_inline; the task does the same work awaited
+            raise InternalError("mapped.send_now refused a request that fits inline")
+        self._sent(side, sent)
+        return True
+
+    def _send_rest_as_task(self, job: Job, link: PeerLink, p: Plan) -> bool:
+        """Planned here, too large to copy in this step: the rest runs as the data task."""
+        async def body() -> None:
+            self._sent(self.sides[f.Role.CTX], await self._choose_and_send(job, link, p))
+
+        self._start(partial(self._guarded, f.Role.CTX, body))
+        return True
+
+    def _remote_layout(self) -> KVLayout:
+        if self.remote.layout is None:
+            raise RemoteProtocolError("no layout of the other side to plan with")
+        return self.remote.layout
+
+    def _mapped_dst(self, link: PeerLink) -> dict[int, Any] | None:
+        """gen rank -> the peer's pool as mapped here, when every announced pool is; else None."""
+        names = self.remote.pool_names
+        maps = {r: link.mapped.get(name) for r, name in names.items()}
+        if not maps or any(v is None for v in maps.values()):
+            return None
+        return maps
+
     async def _send_task(self) -> None:
         async def body() -> None:
-            side = self.sides[f.Role.CTX]
-            side.started = time.monotonic()
-            if side.complete_at:  # from the last registration to the data path's start
-                side.stages["queued"] = round(side.started - side.complete_at, 6)
-            side.state = "planning"
-            links = self.env.links()
-            link = links.links.get(self.peer) if links is not None else None
-            if link is None:
-                raise PeerUnavailable(f"request {self.request_id!r}: link to peer {self.peer} is down")
+            side, link = self._send_started()
             p = await self._get_plan()
-            side.mark("planned")
-            mark("planned")
-            job = self._job(p, side)
-            job.nixl, job.remote_agent, job.remote_pools = self.env.nixl(), link.agent, self.remote.pools
-            side.state = "sending"
-            self.sent = await self._choose_and_send(job, link, p)
-            side.mark("data_out")
-            self.feed(f.DataOut(f.Role.CTX, self.sent.writes, self.sent.nbytes))
+            job = self._send_job(side, link, p)
+            self._sent(side, await self._choose_and_send(job, link, p))
 
         await self._guarded(f.Role.CTX, body)
 
     async def _choose_and_send(self, job: Job, link: PeerLink, p: Plan) -> Sent:
-        names = self.remote.pool_names
-        maps = {r: link.mapped.get(name) for r, name in names.items()}
-        if maps and all(v is not None for v in maps.values()) and set(p.dst_ranks()) <= set(maps):
+        maps = self._mapped_dst(link)
+        if maps is not None and set(p.dst_ranks()) <= set(maps):
             self.feed(f.PathChosen(f.Role.CTX, f.Path.MAPPED))
-            job.dst = {r: v.tensor for r, v in maps.items() if v is not None}
-            job.mapped = {r: v for r, v in maps.items() if v is not None}
+            job.dst = {r: v.tensor for r, v in maps.items()}
+            job.mapped = dict(maps)
             return await mapped.send(job)
         if p.direct:
             self.feed(f.PathChosen(f.Role.CTX, f.Path.DIRECT))

@@ -18,6 +18,27 @@ from kvd.transfer.movers import INLINE_BYTES, regroup_into, regroup_kernel
 from kvd.transfer.paths.base import Job, Sent
 
 
+def fits_inline(job: Job) -> bool:
+    """Whether :func:`send_now` may copy the request in the caller's step: host pools (no
+    CUDA work to wait for) and at most ``INLINE_BYTES`` (less than a worker-thread hop)."""
+    return job.plan.total_bytes() <= INLINE_BYTES and all(pool.device < 0 for pool in job.src.values())
+
+
+def send_now(job: Job) -> Sent:
+    """:func:`send` for a request that :func:`fits_inline`, without awaiting (no task needed)."""
+    p = job.plan
+    src = {r: pool.tensor() for r, pool in job.src.items()}
+    job.progress.posted()
+    try:
+        regroup_into(p, src, job.dst, gpu_chunk_bytes=job.gpu_chunk_bytes, chunk_bytes=job.chunk_bytes,
+                     timings=job.stages)
+    finally:
+        job.progress.ended()
+    nbytes = p.total_bytes()
+    job.progress.moved(nbytes, len(p.pairs()))
+    return Sent(writes=0, chunks=len(p.pairs()), nbytes=nbytes)
+
+
 async def kernel_side(job: Job) -> Literal["src", "dst"] | None:
     """Where the regroup kernel runs for a local request, or None when it cannot: on the
     source GPU when every pool is on it; on each destination GPU (pull) when the sources are

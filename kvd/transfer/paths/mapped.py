@@ -79,6 +79,15 @@ async def launch_side(job: Job) -> Literal["src", "dst"] | None:
     return where
 
 
+def send_now(job: Job) -> Sent | None:
+    """The whole request now, in the caller's step, when that needs no waiting: host pools (the
+    local path's movers, no kernel) and a request small enough to copy on the event loop
+    (:func:`kvd.transfer.paths.local.fits_inline`). None: nothing done, use :func:`send`."""
+    if not local.fits_inline(job) or any(getattr(mp, "device", -1) >= 0 for mp in job.mapped.values()):
+        return None
+    return local.send_now(job)
+
+
 async def send(job: Job) -> Sent:
     """The regroup kernel into the mapped pools when it applies, else the local path's movers."""
     where = await launch_side(job)
