@@ -5,7 +5,8 @@ regroup kernel) can replace one without touching the paths.
   both addressable here (local path, mapped path); blocks until the bytes landed.
 - :func:`regroup_kernel`: the same on GPUs with the run-time compiled regroup kernel
   (:mod:`kvd.regroup.apply`): one launch per source rank, completion by CUDA event polled
-  from the event loop (no worker thread, no blocking wait).
+  from the event loop (no worker thread, no blocking wait); in two halves,
+  :func:`launch_kernel` (enqueue, no await) and :func:`kernel_done` (the wait).
 - :func:`copy_runs`: equal layouts whose blocks form a few long contiguous runs, one
   ``cuMemcpyAsync`` per run on the copy engines (:mod:`kvd.regroup.gpu_copy`), completion by
   CUDA event as for the kernel. A long run is a plain copy at the link's speed; the kernel
@@ -17,7 +18,10 @@ The bounce path's gathers and scatters are :func:`kvd.regroup.apply.gather_chunk
 
 from __future__ import annotations
 
+import contextlib
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
@@ -63,28 +67,62 @@ def regroup_into(
 KERNEL_LINK_BPS = 400e9
 
 
+@dataclass
+class KernelLaunch:
+    """Regroup kernel launches enqueued by :func:`launch_kernel`, not yet known to be done."""
+
+    completions: list[Any]
+    launch_on: Literal["src", "dst"]
+    enqueued_at: float
+    enqueue_s: float
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self.completions)
+
+
+def launch_kernel(p: Plan, src: dict[int, torch.Tensor], dst: dict[int, torch.Tensor], *,
+                  launch_on: Literal["src", "dst"]) -> KernelLaunch:
+    """Enqueue the regroup kernel launches of ``p`` (one per source rank) from flat-byte CUDA
+    ``src`` pools into flat-byte ``dst`` pools, without waiting: what a caller that must not
+    await (the executor's publish step) does; :func:`kernel_done` waits for them."""
+    from kvd.regroup import apply as regroup_apply
+
+    t0 = time.perf_counter()
+    launched: list[Any] = []
+    try:
+        for s in p.src_ranks():
+            launched.append(regroup_apply.regroup(p, s, src[s], dst, engine="kernel", launch_on=launch_on))
+    except BaseException:
+        for c in launched:  # a later rank's launch failed: what is enqueued lands before this raises
+            with contextlib.suppress(Exception):
+                c.wait()
+        raise
+    t1 = time.perf_counter()
+    mark("launched")
+    return KernelLaunch(launched, launch_on, t1, t1 - t0)
+
+
+async def kernel_done(k: KernelLaunch, timings: dict[str, float] | None = None) -> int:
+    """Wait from the event loop until every launch of ``k`` completed (even when cancelled: a
+    launched kernel cannot be stopped, so the bytes it writes must have landed before anyone
+    hears it ended); returns the bytes moved."""
+    await until_done([(c.done, c.nbytes) for c in k.completions])
+    mark("gpu done")
+    if timings is not None:
+        timings.update({"gpu_enqueue_s": round(k.enqueue_s, 6),
+                        "gpu_wait_s": round(time.perf_counter() - k.enqueued_at, 6),
+                        "gpu_kernel_launches": len(k.completions), "gpu_kernel_pull": int(k.launch_on == "dst")})
+    return k.nbytes
+
+
 async def regroup_kernel(
     p: Plan, src: dict[int, torch.Tensor], dst: dict[int, torch.Tensor], *, launch_on: Literal["src", "dst"],
     timings: dict[str, float] | None = None,
 ) -> int:
     """Regroup kernel launches from flat-byte CUDA ``src`` pools into flat-byte ``dst`` pools;
-    returns once every launch's event completed (even when cancelled: a launched kernel cannot
-    be stopped, so the bytes it writes must have landed before anyone hears it ended)."""
-    import time
-
-    from kvd.regroup import apply as regroup_apply
-
-    t0 = time.perf_counter()
-    launched = [regroup_apply.regroup(p, s, src[s], dst, engine="kernel", launch_on=launch_on)
-                for s in p.src_ranks()]
-    t1 = time.perf_counter()
-    mark("launched")
-    await until_done([(c.done, c.nbytes) for c in launched])
-    mark("gpu done")
-    if timings is not None:
-        timings.update({"gpu_enqueue_s": round(t1 - t0, 6), "gpu_wait_s": round(time.perf_counter() - t1, 6),
-                        "gpu_kernel_launches": len(launched), "gpu_kernel_pull": int(launch_on == "dst")})
-    return sum(c.nbytes for c in launched)
+    returns once every launch's event completed (:func:`launch_kernel`, then :func:`kernel_done`)."""
+    return await kernel_done(launch_kernel(p, src, dst, launch_on=launch_on), timings)
 
 
 async def until_done(work: list[tuple[Callable[[], bool], int]], bps: float = KERNEL_LINK_BPS) -> None:
@@ -131,8 +169,6 @@ async def copy_runs(
     source's device, or the destination's for CUDA IPC mappings, which only their own GPU's
     context addresses; ``device_of[pair][1]`` is the other side's device, given peer access);
     returns the bytes once every copy landed."""
-    import time
-
     from kvd.regroup import gpu_copy
 
     t0 = time.perf_counter()

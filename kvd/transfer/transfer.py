@@ -764,15 +764,19 @@ class Transfer:
             return False
         maps = self._mapped_dst(link)
         blocks = sum(len(p.block_ids) for p in side.parts.values()) + sum(map(len, self.remote.blocks.values()))
-        if maps is None or blocks > INLINE_PLAN_BLOCKS or any(p.pool.device >= 0 for p in side.parts.values()):
+        if maps is None or blocks > INLINE_PLAN_BLOCKS:
             return False
         side, link = self._send_started()
         self._plan = p = plan(side.layout, self._remote_layout(), side.blocks_by_rank(), self.remote.blocks)
         for s in self.sides.values():
             s.bytes_total = p.total_bytes()
         job = self._send_job(side, link, p)
-        if not set(p.dst_ranks()) <= set(maps) or not local.fits_inline(job):
+        if not set(p.dst_ranks()) <= set(maps):
             return self._send_rest_as_task(job, link, p)  # the path is chosen there, as always
+        if any(part.pool.device >= 0 for part in side.parts.values()):
+            return self._launch_now(job, link, p, maps)
+        if not local.fits_inline(job):
+            return self._send_rest_as_task(job, link, p)
         job.dst = {r: v.tensor for r, v in maps.items()}
         job.mapped = dict(maps)
         self.feed(f.PathChosen(f.Role.CTX, f.Path.MAPPED))
@@ -780,6 +784,26 @@ class Transfer:
         if sent is None:  # cannot happen after fits_inline; the task does the same work awaited
             raise InternalError("mapped.send_now refused a request that fits inline")
         self._sent(side, sent)
+        return True
+
+    def _launch_now(self, job: Job, link: PeerLink, p: Plan, maps: dict[int, Any]) -> bool:
+        """GPU pools: the regroup kernel is launched in this step (the bytes start moving before
+        the event loop turns again) and a task only waits for its completion; when the kernel
+        cannot be launched so (not loaded yet, copy engines, pools it cannot reach), the data
+        task does everything, as for any other request."""
+        job.dst = {r: v.tensor for r, v in maps.items()}
+        job.mapped = dict(maps)
+        finish = mapped.launch_now(job)
+        if finish is None:
+            job.dst, job.mapped = {}, {}
+            return self._send_rest_as_task(job, link, p)
+        job.stages["gpu_launch_inline"] = 1  # (the transfer.done line says how it started)
+        self.feed(f.PathChosen(f.Role.CTX, f.Path.MAPPED))
+
+        async def body() -> None:
+            self._sent(self.sides[f.Role.CTX], await finish())
+
+        self._start(partial(self._guarded, f.Role.CTX, body))
         return True
 
     def _send_rest_as_task(self, job: Job, link: PeerLink, p: Plan) -> bool:

@@ -124,3 +124,29 @@ async def test_gpu_local_path_runs_the_regroup_kernel(
     done = [json.loads(line) for line in d.log().splitlines() if '"transfer.done"' in line and '"ctx"' in line]
     assert done and done[-1]["stages"].get("gpu_kernel_launches", 0) >= 1, done
     assert done[-1]["stages"].get("gpu_kernel_pull", 0) == int(gen_on_other_gpu)
+
+
+@pytest.mark.parametrize("announce", [True, False], ids=["announced", "offer_accept"])
+async def test_gpu_mapped_request_launches_in_the_completing_step(
+    announce: bool, daemon_factory: Callable[..., DaemonProcess], short_tmp: Path
+) -> None:
+    """The ctx daemon launches the regroup kernel in the step that completes the request (the
+    publish when gen named its ctx daemon and announced its destination; the peer's accept
+    with offer/accept) and a task only waits for it (``gpu_launch_inline`` in the stages);
+    byte-exact either way, with 0 and 1 peer round trips."""
+    import json
+
+    ctx, gen = KVLayout(**GEO), KVLayout(**{**GEO, "tp_size": 4})  # type: ignore[arg-type]
+    pair = start_pair(daemon_factory, short_tmp, ctx, gen, num_blocks=32, mapped=True, memory="auto",
+                      ctx_device=0, gen_device=_gen_device())
+    for i in range(2):  # the first request loads the kernel (in a worker thread): the second is the case
+        out = await run_transfer(pair, ctx, gen, request_id=f"r-inline-{i}", blocks=12, seed=i,
+                                 gen_peer="ctx" if announce else "")
+        assert_exact(out, gen)
+        assert all(c.ok and c.path == "mapped" for c in [*out.ctx.values(), *out.gen.values()])
+    done = [json.loads(line) for line in pair.ctx.log().splitlines()
+            if '"transfer.done"' in line and '"r-inline-1"' in line]
+    assert len(done) == 1, done
+    assert done[0]["stages"].get("gpu_launch_inline") == 1, done[0]
+    assert done[0]["round_trips"] == (0 if announce else 1), done[0]
+    assert done[0]["stages"]["gpu_kernel_launches"] == 1

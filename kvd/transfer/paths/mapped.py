@@ -10,6 +10,7 @@ memory, the local path's movers.
 from __future__ import annotations
 
 import os
+from collections.abc import Awaitable, Callable
 from typing import Any, Literal
 
 import numpy as np
@@ -17,7 +18,7 @@ import numpy.typing as npt
 import trio
 
 from kvd.regroup.plan import Plan
-from kvd.transfer.movers import copy_runs, regroup_kernel
+from kvd.transfer.movers import copy_runs, kernel_done, launch_kernel, regroup_kernel
 from kvd.transfer.paths import local
 from kvd.transfer.paths.base import Job, Sent
 from kvd.transfer.paths.direct import merge_runs
@@ -48,6 +49,22 @@ def copy_engine_runs(p: Plan) -> dict[tuple[int, int], npt.NDArray[np.int64]] | 
     return runs
 
 
+def _placement(job: Job) -> tuple[Literal["src", "dst"], set[int]] | None:
+    """Where the regroup kernel would run and the devices it needs there (see
+    :func:`launch_side`), or None when the pools rule it out."""
+    pools = list(job.src.values())
+    devices = {pool.device for pool in pools}
+    if not job.mapped or min(devices) < 0:
+        return None
+    mapped: list[Any] = list(job.mapped.values())
+    if len(devices) == 1 and all(mp.device == min(devices) for mp in mapped):
+        return "src", devices
+    if all(mp.handle_kind == "cuda_ipc" for mp in mapped) and all(pool.kind == "device" for pool in pools):
+        # ctx ranks on several GPUs too: each destination GPU pulls from every source GPU
+        return "dst", {mp.device for mp in mapped}
+    return None
+
+
 async def launch_side(job: Job) -> Literal["src", "dst"] | None:
     """Where the regroup kernel runs, or None when it cannot: on the source GPU when every
     source and mapped pool is on it; on each destination GPU (pull) when the mapped pools are
@@ -57,19 +74,10 @@ async def launch_side(job: Job) -> Literal["src", "dst"] | None:
     worker thread; later ones answer on the event loop."""
     from kvd.regroup import kernel as regroup_kernel_mod
 
-    pools = list(job.src.values())
-    devices = {pool.device for pool in pools}
-    if not job.mapped or min(devices) < 0:
+    placed = _placement(job)
+    if placed is None:
         return None
-    mapped: list[Any] = list(job.mapped.values())
-    where: Literal["src", "dst"]
-    if len(devices) == 1 and all(mp.device == min(devices) for mp in mapped):
-        where, need = "src", devices
-    elif all(mp.handle_kind == "cuda_ipc" for mp in mapped) and all(pool.kind == "device" for pool in pools):
-        # ctx ranks on several GPUs too: each destination GPU pulls from every source GPU
-        where, need = "dst", {mp.device for mp in mapped}
-    else:
-        return None
+    where, need = placed
     for dev in sorted(need):
         ready = regroup_kernel_mod.kernel_ready(dev)
         if ready is None:
@@ -77,6 +85,41 @@ async def launch_side(job: Job) -> Literal["src", "dst"] | None:
         if not ready:
             return None
     return where
+
+
+def launch_now(job: Job) -> Callable[[], Awaitable[Sent]] | None:
+    """Launch the request's regroup kernel now, in the caller's step (the executor's publish),
+    when that needs no waiting: GPU pools, the kernel already loaded on every device it needs,
+    and not a copy-engine request. Returns what awaits the launches' completion and reports
+    them (a task runs it: the kernel's bytes land while the event loop goes on); None: nothing
+    done, use :func:`send`. The launch counts as a posted write from here on, so a failure or
+    cancel meanwhile waits for it before anyone hears the request ended."""
+    from kvd.regroup import kernel as regroup_kernel_mod
+
+    placed = _placement(job)
+    if placed is None or copy_engine_runs(job.plan) is not None:
+        return None
+    where, need = placed
+    if not all(regroup_kernel_mod.kernel_ready(dev) for dev in need):
+        return None  # not loaded yet (or unavailable): send() loads it in a worker thread
+    p = job.plan
+    job.progress.posted()
+    try:
+        launched = launch_kernel(p, {r: pool.tensor_u8() for r, pool in job.src.items()},
+                                 {r: mp.raw for r, mp in job.mapped.items()}, launch_on=where)
+    except BaseException:
+        job.progress.ended()  # nothing of it is running (launch_kernel waited for what it enqueued)
+        raise
+
+    async def finish() -> Sent:
+        try:
+            nbytes = await kernel_done(launched, job.stages)
+        finally:
+            job.progress.ended()
+        job.progress.moved(nbytes, len(p.pairs()))
+        return Sent(writes=0, chunks=len(p.src_ranks()), nbytes=nbytes)
+
+    return finish
 
 
 def send_now(job: Job) -> Sent | None:
