@@ -103,12 +103,22 @@ async def test_cancelled_wait_for_a_launched_gather_waits_for_the_kernel() -> No
                         device="cuda:0")
     staging = torch.zeros(nbytes, dtype=torch.uint8, device="cuda:0")
     torch.cuda.synchronize()
+    from kvd.regroup.kernel import kernel_available
+
+    # load the kernel first: loading a module waits for the device to be idle, which would let
+    # the work queued below finish before the gather is even launched
+    assert kernel_available(0)
     stream = torch.cuda.Stream(0)  # type: ignore[no-untyped-call]
+    busy = torch.randn(8192, 8192, device="cuda:0")
+    torch.cuda.synchronize()
     with torch.cuda.stream(stream):
-        # the gather queues behind ~1 s of GPU spinning: it is still running when the wait
-        # starts (a 256 MiB gather alone finished in ~0.15 ms, sometimes before the first poll)
-        torch.cuda._sleep(2_000_000_000)  # type: ignore[no-untyped-call]
-    c = rg.gather_chunk(p, 0, 0, src, staging, offset=0, nbytes=nbytes, stream=stream)
+        # the gather queues behind ~0.5 s of matrix products: it is still running when the wait
+        # starts (a 256 MiB gather alone finishes in ~0.15 ms, before the first poll on a slow
+        # host; torch.cuda._sleep did not hold the stream on one H200 machine)
+        for _ in range(40):
+            busy = busy @ busy.T / 8192
+    c = rg.gather_chunk(p, 0, 0, src, staging, offset=0, nbytes=nbytes, stream=stream, engine="kernel")
+    assert not c.done(), "the gather was meant to wait behind the matrix products"
     with trio.CancelScope() as scope:
         scope.cancel()
         await bounce.await_completion(c)
