@@ -196,7 +196,7 @@ def run(workdir: Path, sizes: list[int], repeat: int, *, mapped: bool, memory: s
 
 
 def _is_time(stage: str) -> bool:
-    return not stage.startswith(("gpu_kernel_", "credits_")) and not stage.endswith("_bytes")
+    return not stage.startswith(("gpu_kernel_", "gpu_launch_", "credits_")) and not stage.endswith("_bytes")
 
 
 def print_rows(title: str, rows: list[dict[str, Any]]) -> None:
