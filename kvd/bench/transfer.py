@@ -43,13 +43,7 @@ def _e2e(workdir: Path, blocks: int, repeat: int, mapped: bool, chunk_mb: int, b
     try:
         scenario = Scenario(ctx_d, gen_d, blocks)
         try:
-            scenario.transfer()  # warm-up: first touch of pools, index building, UCX lanes
-            walls: list[float] = []
-            results: dict[str, Any] = {}
-            for _ in range(repeat):
-                results, wall = scenario.transfer()
-                walls.append(wall)
-            ok = scenario.verify()
+            results, walls, ok = scenario.timed(repeat)
         finally:
             scenario.close()
     finally:

@@ -186,13 +186,7 @@ def _e2e_size(ctx_d: Any, gen_d: Any, n: int, repeat: int, shuffled: bool) -> di
     """One request size end to end: a warm-up, then ``repeat`` timed requests (best and median)."""
     scenario = Scenario(ctx_d, gen_d, n, shuffle=shuffled)
     try:
-        scenario.transfer()  # warm-up
-        walls: list[float] = []
-        results: dict[str, Any] = {}
-        for _ in range(repeat):
-            results, wall = scenario.transfer()
-            walls.append(wall)
-        ok = scenario.verify()
+        results, walls, ok = scenario.timed(repeat)
         contiguous = scenario.contiguous
     finally:
         scenario.close()

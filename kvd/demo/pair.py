@@ -193,6 +193,18 @@ class Scenario:
             raise errors[0]
         return results, wall
 
+    def timed(self, repeat: int) -> tuple[dict[str, Completion], list[float], bool]:
+        """A warm-up request (first touch of pools, index building, UCX lanes), then ``repeat``
+        timed ones: the last completions, every wall time, and whether the gen ranks hold the
+        data (checked once, after the last)."""
+        self.transfer()
+        walls: list[float] = []
+        results: dict[str, Completion] = {}
+        for _ in range(repeat):
+            results, wall = self.transfer()
+            walls.append(wall)
+        return results, walls, self.verify()
+
     def verify(self) -> bool:
         """gen rank r holds heads [2r, 2r+2) of every layer of every block, in order."""
         ok = True

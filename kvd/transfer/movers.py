@@ -67,6 +67,20 @@ def regroup_into(
 KERNEL_LINK_BPS = 400e9
 
 
+async def kernels_loaded(devices: set[int]) -> bool:
+    """Whether the regroup kernel runs on every one of ``devices``: answered on the event loop
+    once known; the first call per device compiles or loads it in a worker thread."""
+    from kvd.regroup import kernel as kernel_mod
+
+    for dev in sorted(devices):
+        ready = kernel_mod.kernel_ready(dev)
+        if ready is None:
+            ready = await trio.to_thread.run_sync(kernel_mod.kernel_available, dev)
+        if not ready:
+            return False
+    return True
+
+
 @dataclass
 class KernelLaunch:
     """Regroup kernel launches enqueued by :func:`launch_kernel`, not yet known to be done."""

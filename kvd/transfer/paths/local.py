@@ -14,7 +14,7 @@ from typing import Literal
 import torch
 import trio
 
-from kvd.transfer.movers import INLINE_BYTES, regroup_into, regroup_kernel
+from kvd.transfer.movers import INLINE_BYTES, kernels_loaded, regroup_into, regroup_kernel
 from kvd.transfer.paths.base import Job, Sent
 
 
@@ -44,8 +44,6 @@ async def kernel_side(job: Job) -> Literal["src", "dst"] | None:
     source GPU when every pool is on it; on each destination GPU (pull) when the sources are
     plain device memory, which peer GPUs can read (VMM pools are mapped for their own GPU
     only). The first call per device compiles or loads the kernel in a worker thread."""
-    from kvd.regroup import kernel as kernel_mod
-
     src_devices = {pool.device for pool in job.src.values()}
     dst_devices = {t.device.index if t.is_cuda else -1 for t in job.dst.values()}
     if min(src_devices | dst_devices) < 0:
@@ -57,13 +55,7 @@ async def kernel_side(job: Job) -> Literal["src", "dst"] | None:
         where, need = "dst", dst_devices
     else:
         return None
-    for dev in sorted(need):
-        ready = kernel_mod.kernel_ready(dev)
-        if ready is None:
-            ready = await trio.to_thread.run_sync(kernel_mod.kernel_available, dev)
-        if not ready:
-            return None
-    return where
+    return where if await kernels_loaded(need) else None
 
 
 async def send(job: Job) -> Sent:

@@ -15,10 +15,9 @@ from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
-import trio
 
 from kvd.regroup.plan import Plan
-from kvd.transfer.movers import copy_runs, kernel_done, launch_kernel, regroup_kernel
+from kvd.transfer.movers import copy_runs, kernel_done, kernels_loaded, launch_kernel, regroup_kernel
 from kvd.transfer.paths import local
 from kvd.transfer.paths.base import Job, Sent
 from kvd.transfer.paths.direct import merge_runs
@@ -72,19 +71,11 @@ async def launch_side(job: Job) -> Literal["src", "dst"] | None:
     source pools, on one GPU or several, are plain device memory (reachable from peer GPUs). VMM mappings (posix_fd, fabric)
     elsewhere keep the torch path. The first call per device compiles or loads the kernel in a
     worker thread; later ones answer on the event loop."""
-    from kvd.regroup import kernel as regroup_kernel_mod
-
     placed = _placement(job)
     if placed is None:
         return None
     where, need = placed
-    for dev in sorted(need):
-        ready = regroup_kernel_mod.kernel_ready(dev)
-        if ready is None:
-            ready = await trio.to_thread.run_sync(regroup_kernel_mod.kernel_available, dev)
-        if not ready:
-            return None
-    return where
+    return where if await kernels_loaded(need) else None
 
 
 def launch_now(job: Job) -> Callable[[], Awaitable[Sent]] | None:
