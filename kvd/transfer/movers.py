@@ -3,10 +3,10 @@ regroup kernel) can replace one without touching the paths.
 
 - :func:`regroup_into`: a whole request from source pools into destination pools that are
   both addressable here (local path, mapped path); blocks until the bytes landed.
-- :func:`regroup_kernel`: the same on GPUs with the run-time compiled regroup kernel
-  (:mod:`kvd.regroup.apply`): one launch per source rank, completion by CUDA event polled
-  from the event loop (no worker thread, no blocking wait); in two halves,
-  :func:`launch_kernel` (enqueue, no await) and :func:`kernel_done` (the wait).
+- :func:`launch_kernel` and :func:`kernel_done`: the same on GPUs with the run-time compiled
+  regroup kernel (:mod:`kvd.regroup.apply`): one launch per source rank, enqueued without
+  awaiting, then completion by CUDA event polled from the event loop (no worker thread, no
+  blocking wait).
 - :func:`copy_runs`: equal layouts whose blocks form a few long contiguous runs, one
   ``cuMemcpyAsync`` per run on the copy engines (:mod:`kvd.regroup.gpu_copy`), completion by
   CUDA event as for the kernel. A long run is a plain copy at the link's speed; the kernel
@@ -128,15 +128,6 @@ async def kernel_done(k: KernelLaunch, timings: dict[str, float] | None = None) 
                         "gpu_wait_s": round(time.perf_counter() - k.enqueued_at, 6),
                         "gpu_kernel_launches": len(k.completions), "gpu_kernel_pull": int(k.launch_on == "dst")})
     return k.nbytes
-
-
-async def regroup_kernel(
-    p: Plan, src: dict[int, torch.Tensor], dst: dict[int, torch.Tensor], *, launch_on: Literal["src", "dst"],
-    timings: dict[str, float] | None = None,
-) -> int:
-    """Regroup kernel launches from flat-byte CUDA ``src`` pools into flat-byte ``dst`` pools;
-    returns once every launch's event completed (:func:`launch_kernel`, then :func:`kernel_done`)."""
-    return await kernel_done(launch_kernel(p, src, dst, launch_on=launch_on), timings)
 
 
 async def until_done(work: list[tuple[Callable[[], bool], int]], bps: float = KERNEL_LINK_BPS) -> None:

@@ -72,6 +72,12 @@ async def make_plan(ctx: KVLayout, gen: KVLayout, cb: dict[int, list[int]], gb: 
     return await trio.to_thread.run_sync(partial(plan, ctx, gen, cb, gb))
 
 
+def _map_into(job: Job, maps: dict[int, Any]) -> None:
+    """The job writes into the peer's pools as mapped here (gen rank -> mapping)."""
+    job.dst = {r: v.tensor for r, v in maps.items()}
+    job.mapped = dict(maps)
+
+
 def _first_kvd_error(exc: BaseException) -> KvdError | None:
     """The KvdError inside ``exc`` (which may be a nursery's exception group), if any."""
     if isinstance(exc, KvdError):
@@ -777,8 +783,7 @@ class Transfer:
             return self._launch_now(job, link, p, maps)
         if not local.fits_inline(job):
             return self._send_rest_as_task(job, link, p)
-        job.dst = {r: v.tensor for r, v in maps.items()}
-        job.mapped = dict(maps)
+        _map_into(job, maps)
         self.feed(f.PathChosen(f.Role.CTX, f.Path.MAPPED))
         sent = mapped.send_now(job)
         if sent is None:  # cannot happen after fits_inline; the task does the same work awaited
@@ -791,8 +796,7 @@ class Transfer:
         the event loop turns again) and a task only waits for its completion; when the kernel
         cannot be launched so (not loaded yet, copy engines, pools it cannot reach), the data
         task does everything, as for any other request."""
-        job.dst = {r: v.tensor for r, v in maps.items()}
-        job.mapped = dict(maps)
+        _map_into(job, maps)
         finish = mapped.launch_now(job)
         if finish is None:
             job.dst, job.mapped = {}, {}
@@ -840,8 +844,7 @@ class Transfer:
         maps = self._mapped_dst(link)
         if maps is not None and set(p.dst_ranks()) <= set(maps):
             self.feed(f.PathChosen(f.Role.CTX, f.Path.MAPPED))
-            job.dst = {r: v.tensor for r, v in maps.items()}
-            job.mapped = dict(maps)
+            _map_into(job, maps)
             return await mapped.send(job)
         if p.direct:
             self.feed(f.PathChosen(f.Role.CTX, f.Path.DIRECT))

@@ -8,13 +8,14 @@ regroup (small host requests on the event loop, the rest in a worker thread).
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Literal
 
 import torch
 import trio
 
-from kvd.transfer.movers import INLINE_BYTES, kernels_loaded, regroup_into, regroup_kernel
+from kvd.transfer.movers import INLINE_BYTES, kernel_done, kernels_loaded, launch_kernel, regroup_into
 from kvd.transfer.paths.base import Job, Sent
 
 
@@ -58,21 +59,40 @@ async def kernel_side(job: Job) -> Literal["src", "dst"] | None:
     return where if await kernels_loaded(need) else None
 
 
+def start_kernel(job: Job, src: dict[int, torch.Tensor], dst: dict[int, torch.Tensor],
+                 where: Literal["src", "dst"]) -> Callable[[], Awaitable[Sent]]:
+    """Launch the request's regroup kernel now (flat-byte ``src`` pools into flat-byte ``dst``
+    pools, launched on the ``where`` side), counted as a posted write before it is enqueued, so
+    a failure or cancel meanwhile waits for it before anyone hears the request ended. Returns
+    what waits for the launches' CUDA events and reports the bytes (the local and mapped paths
+    await it at once; the mapped path's publish-step launch hands it to a task)."""
+    p = job.plan
+    job.progress.posted()
+    try:
+        launched = launch_kernel(p, src, dst, launch_on=where)
+    except BaseException:
+        job.progress.ended()  # nothing of it is running (launch_kernel waited for what it enqueued)
+        raise
+
+    async def finish() -> Sent:
+        try:
+            nbytes = await kernel_done(launched, job.stages)
+        finally:
+            job.progress.ended()
+        job.progress.moved(nbytes, len(p.pairs()))
+        return Sent(writes=0, chunks=len(p.src_ranks()), nbytes=nbytes)
+
+    return finish
+
+
 async def send(job: Job) -> Sent:
     """Copy the request's bytes from ``job.src`` into ``job.dst``."""
     p = job.plan
     nbytes = p.total_bytes()
     where = await kernel_side(job)
     if where is not None:
-        job.progress.posted()
-        try:
-            nbytes = await regroup_kernel(p, {r: pool.tensor_u8() for r, pool in job.src.items()},
-                                          {r: _flat_bytes(t) for r, t in job.dst.items()}, launch_on=where,
-                                          timings=job.stages)
-        finally:
-            job.progress.ended()
-        job.progress.moved(nbytes, len(p.pairs()))
-        return Sent(writes=0, chunks=len(p.src_ranks()), nbytes=nbytes)
+        return await start_kernel(job, {r: pool.tensor_u8() for r, pool in job.src.items()},
+                                  {r: _flat_bytes(t) for r, t in job.dst.items()}, where)()
     src = {r: pool.tensor() for r, pool in job.src.items()}
     move = partial(regroup_into, p, src, job.dst, gpu_chunk_bytes=job.gpu_chunk_bytes,
                    chunk_bytes=job.chunk_bytes, timings=job.stages)

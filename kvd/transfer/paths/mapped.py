@@ -17,7 +17,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvd.regroup.plan import Plan
-from kvd.transfer.movers import copy_runs, kernel_done, kernels_loaded, launch_kernel, regroup_kernel
+from kvd.transfer.movers import copy_runs, kernels_loaded
 from kvd.transfer.paths import local
 from kvd.transfer.paths.base import Job, Sent
 from kvd.transfer.paths.direct import merge_runs
@@ -83,8 +83,7 @@ def launch_now(job: Job) -> Callable[[], Awaitable[Sent]] | None:
     when that needs no waiting: GPU pools, the kernel already loaded on every device it needs,
     and not a copy-engine request. Returns what awaits the launches' completion and reports
     them (a task runs it: the kernel's bytes land while the event loop goes on); None: nothing
-    done, use :func:`send`. The launch counts as a posted write from here on, so a failure or
-    cancel meanwhile waits for it before anyone hears the request ended."""
+    done, use :func:`send`. The launch counts as a posted write (:func:`local.start_kernel`)."""
     from kvd.regroup import kernel as regroup_kernel_mod
 
     placed = _placement(job)
@@ -93,24 +92,13 @@ def launch_now(job: Job) -> Callable[[], Awaitable[Sent]] | None:
     where, need = placed
     if not all(regroup_kernel_mod.kernel_ready(dev) for dev in need):
         return None  # not loaded yet (or unavailable): send() loads it in a worker thread
-    p = job.plan
-    job.progress.posted()
-    try:
-        launched = launch_kernel(p, {r: pool.tensor_u8() for r, pool in job.src.items()},
-                                 {r: mp.raw for r, mp in job.mapped.items()}, launch_on=where)
-    except BaseException:
-        job.progress.ended()  # nothing of it is running (launch_kernel waited for what it enqueued)
-        raise
+    return _start_kernel(job, where)
 
-    async def finish() -> Sent:
-        try:
-            nbytes = await kernel_done(launched, job.stages)
-        finally:
-            job.progress.ended()
-        job.progress.moved(nbytes, len(p.pairs()))
-        return Sent(writes=0, chunks=len(p.src_ranks()), nbytes=nbytes)
 
-    return finish
+def _start_kernel(job: Job, where: Literal["src", "dst"]) -> Callable[[], Awaitable[Sent]]:
+    """The kernel from the source pools into the mapped pools (:func:`local.start_kernel`)."""
+    return local.start_kernel(job, {r: pool.tensor_u8() for r, pool in job.src.items()},
+                              {r: mp.raw for r, mp in job.mapped.items()}, where)
 
 
 def send_now(job: Job) -> Sent | None:
@@ -127,21 +115,16 @@ async def send(job: Job) -> Sent:
     where = await launch_side(job)
     if where is None:
         return await local.send(job)
-    p = job.plan
-    runs = copy_engine_runs(p)
+    runs = copy_engine_runs(job.plan)
+    if runs is None:
+        return await _start_kernel(job, where)()
     job.progress.posted()
     try:
-        if runs is not None:
-            devices = {(s, d): (job.src[s].device, job.mapped[d].device) if where == "src"
-                       else (job.mapped[d].device, job.src[s].device) for s, d in runs}
-            nbytes = await copy_runs(runs, {r: pool.ptr for r, pool in job.src.items()},
-                                     {r: mp.ptr for r, mp in job.mapped.items()}, devices, timings=job.stages)
-            job.progress.moved(nbytes, len(runs))
-            return Sent(writes=0, chunks=len(runs), nbytes=nbytes)
-        nbytes = await regroup_kernel(p, {r: pool.tensor_u8() for r, pool in job.src.items()},
-                                      {r: mp.raw for r, mp in job.mapped.items()}, launch_on=where,
-                                      timings=job.stages)
+        devices = {(s, d): (job.src[s].device, job.mapped[d].device) if where == "src"
+                   else (job.mapped[d].device, job.src[s].device) for s, d in runs}
+        nbytes = await copy_runs(runs, {r: pool.ptr for r, pool in job.src.items()},
+                                 {r: mp.ptr for r, mp in job.mapped.items()}, devices, timings=job.stages)
+        job.progress.moved(nbytes, len(runs))
+        return Sent(writes=0, chunks=len(runs), nbytes=nbytes)
     finally:
         job.progress.ended()
-    job.progress.moved(nbytes, len(p.pairs()))
-    return Sent(writes=0, chunks=len(p.src_ranks()), nbytes=nbytes)
