@@ -793,19 +793,26 @@ class Transfer:
 
     def _launch_now(self, job: Job, link: PeerLink, p: Plan, maps: dict[int, Any]) -> bool:
         """GPU pools: the regroup kernel is launched in this step (the bytes start moving before
-        the event loop turns again) and a task only waits for its completion; when the kernel
-        cannot be launched so (not loaded yet, copy engines, pools it cannot reach), the data
-        task does everything, as for any other request."""
+        the event loop turns again). A small request's kernel is usually done by the time the
+        path message is out: then this step reports it too (data-done to gen, the executors'
+        replies), else a task waits for its completion. When the kernel cannot be launched so
+        (not loaded yet, copy engines, pools it cannot reach), the data task does everything,
+        as for any other request."""
         _map_into(job, maps)
-        finish = mapped.launch_now(job)
-        if finish is None:
+        run = mapped.launch_now(job)
+        if run is None:
             job.dst, job.mapped = {}, {}
             return self._send_rest_as_task(job, link, p)
         job.stages["gpu_launch_inline"] = 1  # (the transfer.done line says how it started)
         self.feed(f.PathChosen(f.Role.CTX, f.Path.MAPPED))
+        sent = run.finish_now()
+        if sent is not None:
+            job.stages["gpu_done_inline"] = 1
+            self._sent(self.sides[f.Role.CTX], sent)
+            return True
 
         async def body() -> None:
-            self._sent(self.sides[f.Role.CTX], await finish())
+            self._sent(self.sides[f.Role.CTX], await run.finish())
 
         self._start(partial(self._guarded, f.Role.CTX, body))
         return True
