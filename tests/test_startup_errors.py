@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from kvd.config import load_config, table_keys
+from kvd.config import config_from_dict, load_config, table_keys
 from kvd.demo.launch import write_config
 from kvd.startup import EX_CONFIG, StartupError, config_error, explain
 from protocol.errors import BadRequest
@@ -137,6 +137,20 @@ def test_metrics_port_busy(short_tmp: Path, busy_port: int) -> None:
                             "set another metrics_port (KVD_METRICS_PORT; 0 = off)"])
 
 
+def test_metrics_port_is_the_peer_port(short_tmp: Path) -> None:
+    """One port for both listeners: it said 'already in use; stop the process that holds it',
+    the process being this daemon. The configuration alone decides now (exit 78, nothing bound);
+    the same port on two distinct addresses stays allowed."""
+    cfg = base_config(short_tmp, peer_secret_file=secret(short_tmp), peer_port=27400, metrics_port=27400)
+    run = serve(write_config(short_tmp, "kvd", cfg))
+    check_failure(run, exit_code=EX_CONFIG, setting="metrics_port",
+                  contains=["metrics_port: metrics_port 27400 is peer_port too; this daemon listens on both: "
+                            "give metrics_port another port (0 = off)"])
+    assert not (short_tmp / "kvd.sock").exists()
+    ok = config_from_dict({"peer_host": "10.0.0.1", "peer_port": 7400, "metrics_port": 7400}, env={})
+    assert (ok.peer_port, ok.metrics_port, ok.metrics_host) == (7400, 7400, "127.0.0.1")
+
+
 def test_socket_path_busy(short_tmp: Path) -> None:
     path = short_tmp / "kvd.sock"
     live = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -243,6 +257,16 @@ POOL = ('[[pools]]\nname = "a"\nmemory = "host"\nnum_layers = 2\nnum_kv_heads = 
     (POOL.format(extra="").replace("num_blocks = 4\n", ""), "pools[0].num_blocks: give num_blocks or budget_mb (in {path})"),
     (POOL.format(extra="") + POOL.format(extra=""),
      "pools[1].name: duplicate pool name 'a' (each [[pools]] table needs its own name) (in {path})"),
+    # mistakes the daemon used to find only later, and report as something else
+    ('[[peers]]\nname = "g"\nport = 7400\n[[peers]]\nname = "g"\nhost = "10.0.0.2"\nport = 7400\n',
+     "peers[1].name: duplicate peer name 'g' (one [[peers]] table per peer daemon) (in {path})"),
+    ('node = "ctx"\n[[peers]]\nname = "gen"\nport = 7400\n[[peers]]\nname = "ctx"\nport = 7401\n',
+     "peers[1].name: peer name 'ctx' is this daemon's own node: a [[peers]] entry names another daemon, "
+     "by that daemon's node (in {path})"),
+    ("peer_port = 7400\nmetrics_port = 7400\n",
+     "metrics_port: metrics_port 7400 is peer_port too; this daemon listens on both: give metrics_port another "
+     "port (0 = off) (in {path})"),
+    ('peer_host = "0.0.0.0"\npeer_port = 7400\nmetrics_port = 7400\n', "metrics_port: metrics_port 7400 is peer_port too"),
 ])
 def test_config_errors_start_with_the_setting(short_tmp: Path, toml: str, line: str) -> None:
     """The shapes of configuration mistakes, through the same load_config -> config_error as
