@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -91,6 +92,26 @@ def test_peer_secret_world_readable(short_tmp: Path) -> None:
     run = serve(write_config(short_tmp, "kvd", base_config(short_tmp, peer_secret_file=path)))
     check_failure(run, exit_code=EX_CONFIG, setting="peer_secret_file",
                   contains=[f"peer secret file {path} has mode 0644", f"chmod 600 {path}"])
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None,
+                    reason="needs root and setpriv to run kvd as another user")
+def test_peer_secret_of_another_user_says_whose_it_must_be(short_tmp: Path) -> None:
+    """The README's install creates the secret as root, then chowns it to kvd: without the
+    chown, kvd (another user) cannot open it, and the line said only 'Permission denied'."""
+    path = secret(short_tmp)  # root's, mode 600
+    os.chmod(short_tmp, 0o777)  # the socket directory: the daemon must fail on the secret alone
+    cfg = base_config(short_tmp, peer_secret_file=path)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVD_")}
+    env.update({"UCX_NET_DEVICES": "lo", "PYTHONPATH": os.pathsep.join(sys.path), "HOME": str(short_tmp)})
+    cmd = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+           sys.executable, "-m", "kvd", "serve", "--config", write_config(short_tmp, "kvd", cfg)]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, stdin=subprocess.DEVNULL)
+    check_failure(run, exit_code=EX_CONFIG, setting="peer_secret_file",
+                  contains=[f"cannot open peer secret file {path}: Permission denied; kvd runs as ",
+                            "(uid 65534): the file must be that user's, mode 600 (for the systemd unit: "
+                            f"chown kvd:kvd {path})"])
+    assert not (short_tmp / "kvd.sock").exists()
 
 
 def test_peers_without_a_secret(short_tmp: Path) -> None:
