@@ -269,6 +269,8 @@ POOL = ('[[pools]]\nname = "a"\nmemory = "host"\nnum_layers = 2\nnum_kv_heads = 
      "pools[0].memory: invalid enum value 'hots' (one of: auto, device, fabric, host, posix_fd; did you mean host?) "
      "(in {path})"),
     ('log_level = "verbose"\n', "log_level: invalid enum value 'verbose' (one of: debug, error, info, warning) (in {path})"),
+    ('[transfer]\nbusy_poll = true\n', "transfer.busy_poll: expected `str`, got `bool` (in {path})"),
+    ('[transfer]\nbusy_poll = "always"\n', "transfer.busy_poll: invalid enum value 'always' (one of: auto, off, on) (in {path})"),
     # what the pool's layout refuses is located too (it was "configuration PATH: KVLayout.dtype ...", no setting)
     (POOL.format(extra='dtype = "bf16"'), "pools[0].dtype: 'bf16' is not one of ['bfloat16', 'float16', "),
     (POOL.format(extra="tp_size = 3"), "pools[0].num_kv_heads: num_kv_heads=8 is not divisible by tp_size=3 (in {path})"),

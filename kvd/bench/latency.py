@@ -142,18 +142,19 @@ def _done_lines(d: DaemonProcess) -> dict[str, dict[str, Any]]:
 
 
 def run(workdir: Path, sizes: list[int], repeat: int, *, mapped: bool, memory: str = "host", device: int = -1,
-        gen_device: int | None = None, pipelined: bool = True) -> list[dict[str, Any]]:
+        gen_device: int | None = None, pipelined: bool = True, busy_poll: str = "auto") -> list[dict[str, Any]]:
     """Measure every size and order on one pair of daemons; one row per (size, order).
 
     Host pools by default; ``memory="auto", device=0, gen_device=1`` puts the ctx pool on GPU 0
     and the four gen pools on GPU 1 (the GPU bench's placement). ``pipelined``: the completing
     executor sends its registration and wait together (see :meth:`_Executors.once`).
+    ``busy_poll``: both daemons' ``transfer.busy_poll``.
     """
     sub = workdir / ("lat-mapped" if mapped else "lat-nixl")
     sub.mkdir()
     ctx_d, gen_d = start_pair(sub, gen_tp=GEN_TP, blocks=max(sizes), bounce_mb=64, chunk_mb=16,
                               memory=memory, device=device, gen_device=gen_device,
-                              extra_transfer={"mapped": mapped})
+                              extra_transfer={"mapped": mapped, "busy_poll": busy_poll})
     rows: list[dict[str, Any]] = []
     try:
         _wait_for_link(gen_d)  # gen may name ctx only once ctx's link came up (a known peer)

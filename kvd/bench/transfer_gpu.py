@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from kvd.bench import latency
+from kvd.config import usable_cpus
 from kvd.demo.pair import GEOMETRY, Scenario, start_pair
 
 MiB = 1 << 20
@@ -161,12 +162,13 @@ def _raw_nixl(nbytes: int, frag: int, repeat: int, workdir: Path) -> dict[str, A
 
 
 def _e2e(workdir: Path, max_blocks: int, sizes: list[int], repeat: int, mapped: bool, chunk_mb: int,
-         bounce_mb: int, progress_thread: bool = False) -> dict[str, Any]:
+         bounce_mb: int, progress_thread: bool = False, busy_poll: str = "auto") -> dict[str, Any]:
     sub = workdir / ("mapped" if mapped else "nixl")
     sub.mkdir()
     ctx_d, gen_d = start_pair(sub, gen_tp=4, blocks=max_blocks, bounce_mb=bounce_mb, chunk_mb=chunk_mb,
                               memory="auto", device=0, gen_device=1,
-                              extra_transfer={"mapped": mapped, "nixl_progress_thread": progress_thread})
+                              extra_transfer={"mapped": mapped, "nixl_progress_thread": progress_thread,
+                                              "busy_poll": busy_poll})
     by_order: dict[bool, dict[int, dict[str, Any]]] = {True: {}, False: {}}
     try:
         for n in sizes:
@@ -223,6 +225,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--nixl-progress-thread", action="store_true",
                         help="run both daemons' NIXL agents with their progress thread on (transfer.nixl_progress_thread; "
                              "default off)")
+    parser.add_argument("--busy-poll", choices=["auto", "on", "off"], default="auto",
+                        help="both daemons' transfer.busy_poll (spin while requests are pending; default auto: "
+                             "on with at least 8 usable cores)")
     return parser
 
 
@@ -240,11 +245,13 @@ def main(argv: list[str] | None = None) -> int:
         ceiling = _contiguous_copy(nbytes, args.repeat)
         lat_sizes = [int(x) for x in args.latency_sizes.split(",") if x]
         lat = {name: latency.run(workdir, lat_sizes, args.latency_repeat, mapped=on, memory="auto", device=0,
-                                 gen_device=1)
+                                 gen_device=1, busy_poll=args.busy_poll)
                for name, on in (("mapped", True), ("nixl", False))} if lat_sizes else {}
         thread = args.nixl_progress_thread
-        mapped = _e2e(workdir, max(sizes), sizes, args.repeat, True, args.chunk_mb, args.bounce_mb, thread)
-        nixl = _e2e(workdir, max(sizes), sizes, args.repeat, False, args.chunk_mb, args.bounce_mb, thread)
+        mapped = _e2e(workdir, max(sizes), sizes, args.repeat, True, args.chunk_mb, args.bounce_mb, thread,
+                      args.busy_poll)
+        nixl = _e2e(workdir, max(sizes), sizes, args.repeat, False, args.chunk_mb, args.bounce_mb, thread,
+                    args.busy_poll)
         frag = GEOMETRY["tokens_per_block"] * GEOMETRY["head_dim"] * 2 * 2
         raw = _raw_nixl(nbytes, frag, args.repeat, workdir)
         kernel_alone = _kernel_alone(sizes, max(sizes), args.repeat)
@@ -254,7 +261,8 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {
         "scenario": {"geometry": GEOMETRY, "ctx_tp": 1, "gen_tp": 4, "blocks": args.blocks, "bytes": nbytes,
                      "gpus": [torch.cuda.get_device_name(i) for i in range(2)], "chunk_mb": args.chunk_mb,
-                     "bounce_mb": args.bounce_mb, "nixl_progress_thread": args.nixl_progress_thread},
+                     "bounce_mb": args.bounce_mb, "nixl_progress_thread": args.nixl_progress_thread,
+                     "busy_poll": args.busy_poll, "usable_cpus": usable_cpus()},
         "contiguous_copy_gbps": ceiling,
         "latency": lat,
         "e2e_mapped": mapped,
