@@ -191,3 +191,35 @@ def _group_alive(pgid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def test_a_token_count_mismatch_fails_as_the_page_says(daemon_factory: Callable[..., DaemonProcess],
+                                                       short_tmp: Path) -> None:
+    """The page said a mismatch fails the registration; both registrations are accepted (neither
+    side knows the other's count yet) and both waits raise BadRequest with the two counts, in
+    either order and whether gen names the ctx node or not."""
+    from clients import Client
+    from protocol.errors import BadRequest
+    from protocol.layout import KVLayout
+    from tests.transfer_harness import start_pair
+
+    doc = " ".join(DOC.read_text().split())
+    assert ("the request fails on both sides once they meet, `wait` raising `BadRequest` with both counts "
+            "(`ctx has 3 blocks x 16 tokens = 48 token slots, gen has 2 blocks x 16 tokens = 32`)") in doc
+    layout = KVLayout(num_layers=2, num_kv_heads=8, head_dim=64, tokens_per_block=16, dtype="bfloat16")
+    pair = start_pair(daemon_factory, short_tmp, layout, layout)
+    said = "ctx has 3 blocks x 16 tokens = 48 token slots, gen has 2 blocks x 16 tokens = 32"
+    with Client(pair.ctx.socket_path, client="ctx", timeout=30) as ctx, \
+            Client(pair.gen.socket_path, client="gen", timeout=30) as gen:
+        for request, gen_first, peer in (("m1", True, ""), ("m2", False, ""), ("m3", True, "ctx")):
+            def expect(request: str = request, peer: str = peer) -> None:
+                gen.expect(request, "gen0", layout, 0, gen.alloc("gen0", 2), peer=peer)  # 32 token slots
+
+            def publish(request: str = request) -> None:
+                ctx.publish(request, "ctx0", layout, 0, ctx.alloc("ctx0", 3), peer="gen")  # 48
+
+            for register in (expect, publish) if gen_first else (publish, expect):
+                register()  # accepted: no error here
+            for side in (ctx, gen):
+                with pytest.raises(BadRequest, match=said):
+                    side.wait(request, timeout_s=60)
