@@ -147,9 +147,12 @@ class _Progress:
         self.t, self.role, self.side = t, role, side
 
     def posted(self, n: int = 1) -> None:
+        self.check()
+        self.t.feed(f.WritePosted(self.role, n))
+
+    def check(self) -> None:
         if self.t.machine.state(self.role) is f.State.ABORTING:
             raise TransferCancelled(f"request {self.t.request_id!r}: aborted, no new write")
-        self.t.feed(f.WritePosted(self.role, n))
 
     def ended(self, n: int = 1) -> None:
         self.t.feed(f.WriteEnded(self.role, n))
