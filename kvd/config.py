@@ -235,7 +235,31 @@ def config_from_dict(data: Mapping[str, object], env: Mapping[str, str] | None =
             pool.layout()  # validates geometry and block count
         except BadRequest as exc:
             raise BadRequest(f"invalid configuration: {_pool_problem(i, exc.message)}") from None
+    _check_peers_and_ports(cfg)
     return cfg
+
+
+_ANY_ADDRESS = frozenset({"", "0.0.0.0", "::"})
+
+
+def _check_peers_and_ports(cfg: Config) -> None:
+    """What the daemon would otherwise find out later, and report as something else: two
+    [[peers]] of one name started two links to 'one' peer; a peer named as this daemon's own node
+    failed only at the handshake; metrics_port = peer_port failed at startup as 'already in use;
+    stop the process that holds it', the process being this daemon."""
+    names: set[str] = set()
+    for i, peer in enumerate(cfg.peers):
+        if peer.name == cfg.node:
+            raise BadRequest(f"invalid configuration: peer name {peer.name!r} is this daemon's own node: a "
+                             f"[[peers]] entry names another daemon, by that daemon's node - at `$.peers[{i}].name`")
+        if peer.name in names:
+            raise BadRequest(f"invalid configuration: duplicate peer name {peer.name!r} (one [[peers]] table "
+                             f"per peer daemon) - at `$.peers[{i}].name`")
+        names.add(peer.name)
+    same_host = cfg.peer_host == cfg.metrics_host or {cfg.peer_host, cfg.metrics_host} & _ANY_ADDRESS
+    if cfg.metrics_port and cfg.metrics_port == cfg.peer_port and same_host:
+        raise BadRequest(f"invalid configuration: metrics_port {cfg.metrics_port} is peer_port too; this daemon "
+                         "listens on both: give metrics_port another port (0 = off) - at `$.metrics_port`")
 
 
 _POOL_FIELDS = frozenset(f.name for f in msgspec.structs.fields(PoolConfig))
