@@ -443,6 +443,9 @@ REMOTE_EVENTS: dict[type[Event], frozenset[Role]] = {
     DestinationReceived: frozenset({Role.GEN}),
     FailReceived: frozenset({Role.CTX, Role.GEN}),
 }
+#: The roles in the order the machine visits them (by value: ctx, then gen), so that both
+#: daemons act alike; a constant, not ``sorted(here)`` per event.
+_ORDER: tuple[Role, Role] = (Role.CTX, Role.GEN)
 #: Local events that only one side produces.
 _LOCAL_ONLY: dict[type[Event], Role] = {PathChosen: Role.CTX, DataOut: Role.CTX, NotifSeen: Role.GEN}
 
@@ -508,12 +511,12 @@ class TransferMachine:
         out: list[Action] = []
         if isinstance(event, Clock):
             if event.now >= self.deadline:
-                for role in sorted(self.here, key=lambda r: r.value):
+                for role in self._hosted():
                     if self.side(role).state not in FINAL and self.side(role).state is not State.ABORTING:
                         self._fail(role, TransferTimeout.code,
                                    f"{role.value} side missed its deadline (state {self.side(role).state.value})", out)
         elif isinstance(event, PeerLost):
-            for role in sorted(self.here, key=lambda r: r.value):
+            for role in self._hosted():
                 if self.side(role).state not in FINAL and self.side(role).state is not State.ABORTING:
                     self._fail(role, PeerUnavailable.code, f"peer link lost: {event.reason}", out)
         elif isinstance(event, PeerFenced):
@@ -527,9 +530,15 @@ class TransferMachine:
         self._joint(out)
         return out
 
+    def _hosted(self) -> list[Role]:
+        """The roles hosted here, in :data:`_ORDER`."""
+        return [r for r in _ORDER if r in self.here]
+
     def _remote(self) -> Role | None:
-        others = [r for r in Role if r not in self.here]
-        return others[0] if others else None
+        for r in _ORDER:
+            if r not in self.here:
+                return r
+        return None
 
     def _apply(self, event: Event, out: list[Action]) -> None:
         etype = type(event)
@@ -668,7 +677,7 @@ class TransferMachine:
                            f"{role.other.value} side failed: {other.message}", out)
                 return True
         # report failure once no write can land
-        for role in sorted(self.here, key=lambda r: r.value):
+        for role in self._hosted():
             me = self.side(role)
             if me.state is State.ABORTING and me.in_flight == 0 and (role is Role.CTX or self._ctx_quiet()):
                 me.state = State.FAILED

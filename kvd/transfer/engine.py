@@ -177,8 +177,8 @@ class Engine:
 
     # -- executor requests ------------------------------------------------------------------
     def _check_peer(self, peer: str) -> None:
-        if not peer or peer == self.node:
-            return
+        if not peer or peer == self.node or (self.links is not None and peer in self.links.links):
+            return  # connected: the usual case, without building the set the refusal names
         known = {p.name for p in self.daemon.config.peers}
         if self.links is not None:
             known.update(self.links.links)

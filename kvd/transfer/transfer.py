@@ -25,6 +25,7 @@ import msgspec
 import structlog
 import trio
 
+from kvd.ops.logctx import bind_request_id, unbind_request_id
 from kvd.ops.steptrace import mark
 from kvd.regroup.plan import Plan, plan
 from kvd.transfer.paths import bounce, direct, fragment, local, mapped
@@ -181,8 +182,10 @@ class Transfer:
         self.finished = trio.Event()
         self.forgetting = False  # the engine drops it soon
         self._tx, self._rx = trio.open_memory_channel[Any](math.inf)
-        self._notifs_tx, self._notifs_rx = trio.open_memory_channel[x.Notif](math.inf)
-        self._grants_tx, self._grants_rx = trio.open_memory_channel[int](math.inf)
+        # the bounce path's channels (notified chunks, receive credits), opened on first use:
+        # most transfers (mapped, direct, local) never use them, and each costs ~3 us to open
+        self._notifs: tuple[trio.MemorySendChannel[x.Notif], trio.MemoryReceiveChannel[x.Notif]] | None = None
+        self._grants: tuple[trio.MemorySendChannel[int], trio.MemoryReceiveChannel[int]] | None = None
         self._scopes: dict[f.Role, trio.CancelScope] = {}
         self._pending_scatters = 0
         self._nursery: trio.Nursery | None = None
@@ -201,6 +204,32 @@ class Transfer:
         self._deferred: list[f.Action] = []  # actions of events fed meanwhile: they go after
         self._backlog: list[x.XferMessage] | None = None  # messages waiting for the link, in order
         self.uses_nixl = False  # its path moves bytes over NIXL (told to the engine once)
+
+    @property
+    def _notifs_tx(self) -> trio.MemorySendChannel[x.Notif]:
+        return self._notif_channel()[0]
+
+    @property
+    def _notifs_rx(self) -> trio.MemoryReceiveChannel[x.Notif]:
+        return self._notif_channel()[1]
+
+    def _notif_channel(self) -> tuple[trio.MemorySendChannel[x.Notif], trio.MemoryReceiveChannel[x.Notif]]:
+        if self._notifs is None:
+            self._notifs = trio.open_memory_channel[x.Notif](math.inf)
+        return self._notifs
+
+    @property
+    def _grants_tx(self) -> trio.MemorySendChannel[int]:
+        return self._grant_channel()[0]
+
+    @property
+    def _grants_rx(self) -> trio.MemoryReceiveChannel[int]:
+        return self._grant_channel()[1]
+
+    def _grant_channel(self) -> tuple[trio.MemorySendChannel[int], trio.MemoryReceiveChannel[int]]:
+        if self._grants is None:
+            self._grants = trio.open_memory_channel[int](math.inf)
+        return self._grants
 
     @property
     def key(self) -> tuple[str, str]:
@@ -236,8 +265,11 @@ class Transfer:
         """Deliver a peer message, a notification or a link event (never blocks): handled
         right here when the actor has nothing pending, else queued behind what it has."""
         if self._idle():
-            with structlog.contextvars.bound_contextvars(request_id=self.request_id):  # as on the actor
+            token = bind_request_id(self.request_id)  # lines logged name the request, as on the actor
+            try:
                 self._handle(item)
+            finally:
+                unbind_request_id(token)
         else:
             self._queue(item)
 
@@ -254,10 +286,11 @@ class Transfer:
         followed by the actions of events those fed meanwhile. Logged lines name the request,
         as the actor's do."""
         self._inline = True
+        token = bind_request_id(self.request_id)
         try:
-            with structlog.contextvars.bound_contextvars(request_id=self.request_id):
-                return self._act_in_order(actions)
+            return self._act_in_order(actions)
         finally:
+            unbind_request_id(token)
             self._inline = False
 
     def _act_in_order(self, actions: list[f.Action]) -> list[f.Action]:
