@@ -93,7 +93,8 @@ class Engine:
         self._after_reply: list[Callable[[], None]] | None = None
         self._deferred: list[Callable[[], None]] = []
         self._env = Env(node=self.node, cfg=self.cfg, nixl=self._nixl, links=lambda: self.links,
-                        staging=self._staging, on_report=self._on_report, on_finished=self._on_finished,
+                        staging=self._staging, on_report=self._on_report, after_report=self._after_report,
+                        on_finished=self._on_finished,
                         on_nixl=self._on_nixl, after_reply=self._defer)
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -465,6 +466,8 @@ class Engine:
 
     # -- reports (called by transfers) ------------------------------------------------------
     def _on_report(self, t: Transfer, side: Side, c: m.Completion) -> None:
+        """A side reported: its blocks and slots go back and its outcome is logged, before the
+        replies (a client that has its reply finds them so)."""
         role = f.Role.CTX if side.role == "ctx" else f.Role.GEN
         for part in side.parts.values():
             busy = self._busy.get(part.pool.name, {})
@@ -476,25 +479,30 @@ class Engine:
         staging = self._staging()
         if staging is not None:
             (staging.send_slots if role is f.Role.CTX else staging.recv_slots).release_owner(t.slot_owner)
-        d = self.daemon
-        d.transfer_finished(side)  # kept for `kvctl transfers` after executors collect it
         if c.ok:
-            d.counters.transfers_done += 1
-            if role is f.Role.CTX:
-                d.counters.bytes_sent += c.bytes
-            else:
-                d.counters.bytes_received += c.bytes
-            d.metrics.transfer_done(side.role, c.path, c.bytes, c.duration_s)
             log.info("transfer.done", request_id=t.request_id, role=side.role, peer=t.peer, bytes=c.bytes,
                      duration_s=round(c.duration_s, 6),
                      gbps=round(c.bytes / c.duration_s / 1e9, 3) if c.duration_s > 0 else 0.0,
                      path=c.path, chunks=c.chunks, fallback=c.fallback or None,
                      round_trips=t.round_trips if role is f.Role.CTX else None, stages=side.stages or None)
         else:
-            d.counters.transfers_failed += 1
-            d.metrics.transfer_failed(c.error_code)
             log.warning("transfer.failed", request_id=t.request_id, role=side.role, peer=t.peer,
                         code=c.error_code, error=c.error_message, bytes=side.bytes_done, chunks=side.chunks_done)
+
+    def _after_report(self, t: Transfer, side: Side, c: m.Completion) -> None:
+        """The bookkeeping of a reported side, once its executors' replies are out (same step)."""
+        d = self.daemon
+        d.transfer_finished(side)  # kept for `kvctl transfers` after executors collect it
+        if c.ok:
+            d.counters.transfers_done += 1
+            if side.role == "ctx":
+                d.counters.bytes_sent += c.bytes
+            else:
+                d.counters.bytes_received += c.bytes
+            d.metrics.transfer_done(side.role, c.path, c.bytes, c.duration_s)
+        else:
+            d.counters.transfers_failed += 1
+            d.metrics.transfer_failed(c.error_code)
         d.update_pool_metrics({p.pool.name for p in side.parts.values()})
 
     def _on_finished(self, t: Transfer) -> None:

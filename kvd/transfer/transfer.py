@@ -100,13 +100,17 @@ class Env:
     nixl: Callable[[], NixlAgent | None]
     links: Callable[[], PeerLinks | None]
     staging: Callable[[], Staging | None]
-    #: called once per side when the machine reports it (logs, counters, leases)
+    #: called once per side when the machine reports it, before its executors' replies
+    #: (leases returned, the outcome logged: what a client may look at once it has its reply)
     on_report: Callable[[Transfer, Side, m.Completion], None]
     #: called once when the transfer has nothing left running
     on_finished: Callable[[Transfer], None]
     #: called once when the transfer's path turns out to move bytes over NIXL (direct,
     #: fragment, bounce): the notification poller spins only while such a transfer runs
     on_nixl: Callable[[Transfer], None] = field(default=lambda t: None)
+    #: called after :attr:`on_report` and the replies, in the same step (counters, metrics,
+    #: history: no client request is read before the step ends, so none sees them missing)
+    after_report: Callable[[Transfer, Side, m.Completion], None] = field(default=lambda t, s, c: None)
     #: takes work to run right after the executor's reply to the registration being handled
     #: now (True), or refuses it (False: no registration is being handled; run it now)
     after_reply: Callable[[Callable[[], None]], bool] = field(default=lambda fn: False)
@@ -673,6 +677,7 @@ class Transfer:
         side.finish(completion)
         self.env.on_report(self, side, completion)
         side.reported()  # waiting executors' replies, now that the outcome is logged and released
+        self.env.after_report(self, side, completion)
         mark("reported")
 
     # -- data path: ctx -----------------------------------------------------------------------------
