@@ -243,11 +243,10 @@ class Daemon:
         if self.engine is not None:
             self.engine.run_after_reply()
 
-    async def wait(self, session: Session, msg: m.Wait,
-                   answer: Callable[[m.Completion], object] | None = None) -> m.Message:
-        """Wait for a request's completion (runs as a session task); ``answer`` gets it in the
-        step that reports it (see :meth:`kvd.transfer.engine.Engine.wait`)."""
-        return await self._engine().wait(session, msg, answer)
+    def watch(self, session: Session, msg: m.Wait, answer: Callable[[m.Completion], object]) -> Callable[[], None]:
+        """Have ``answer`` called with the request's completion in the step that reports it;
+        returns what ends the watch (see :meth:`kvd.transfer.engine.Engine.watch`)."""
+        return self._engine().watch(session, msg, answer)
 
     def completion_now(self, session: Session, msg: m.Wait) -> m.Message | None:
         """The reply to a wait whose request has ended already, else None (then :meth:`wait`)."""

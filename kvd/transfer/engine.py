@@ -10,7 +10,7 @@ Rules a caller can rely on:
 - an unknown peer is refused at registration (:class:`~protocol.errors.UnknownPeer`);
 - blocks registered to an unfinished request cannot be registered to another, nor freed;
 - only the registering session cancels a request (or an operator with ``force``);
-- ``wait(timeout_s)`` expiring raises :class:`~protocol.errors.WaitTimeout`, the transfer goes on;
+- a wait that expires (``timeout_s``, :mod:`kvd.executor.waits`) leaves the transfer going on;
 - one ``transfer.done`` or one ``transfer.failed`` per request and side, never both;
 - a side reports failure, and its blocks and slots go back, only once no write can land in
   them: an executor that disconnects leaves its blocks with the transfer until then;
@@ -43,7 +43,6 @@ from protocol.errors import (
     NotFound,
     PermissionDenied,
     UnknownPeer,
-    WaitTimeout,
     error_from_code,
 )
 
@@ -340,38 +339,34 @@ class Engine:
         self._collect(session.id, t)
         return msgspec.structs.replace(completion, id=msg.id)
 
-    async def wait(self, session: Session, msg: m.Wait,
-                   answer: Callable[[m.Completion], object] | None = None) -> m.Completion:
-        """The completion of the session's side(s) of the request. ``answer``, when given, is
-        called with it in the step that reports the last of those sides (the executor's reply
-        can go out there, without waiting for this task to be scheduled again)."""
+    def watch(self, session: Session, msg: m.Wait, answer: Callable[[m.Completion], object]) -> Callable[[], None]:
+        """Call ``answer`` with the completion of the session's side(s) of the request in the step
+        that reports the last of them (the executor's reply goes out there, with no task to wake
+        up); the request is then collected for the session. Returns what ends the watch (no call
+        after it: the wait expired, or its session ended). Raises as :meth:`completion_now` does
+        for a request this session did not register; call that first (a request that has ended
+        already is never reported again)."""
         t = self._of_session(session, msg.request_id)
         sides = [s for s in t.sides.values() if session.id in s.sessions()]
-        waiting = True  # an answer after this wait timed out would be a second reply to it
+        watching = [True]
 
-        def early() -> None:
-            if waiting and answer is not None and all(s.completion is not None for s in sides):
+        def reported() -> None:
+            if watching[0] and all(s.completion is not None for s in sides):
+                watching[0] = False
                 first = sides[0].completion
                 assert first is not None
-                answer(msgspec.structs.replace(first, id=msg.id))
+                try:
+                    answer(msgspec.structs.replace(first, id=msg.id))
+                finally:
+                    self._collect(session.id, t)
 
-        if answer is not None:
-            for s in sides:
-                if s.completion is None:
-                    s.on_reported.append(early)
-        try:
-            with trio.move_on_after(math.inf if msg.timeout_s is None else msg.timeout_s):
-                for s in sides:
-                    await s.done.wait()
-        finally:
-            waiting = False
-        if any(s.completion is None for s in sides):
-            raise WaitTimeout(f"request {msg.request_id!r} still running after wait timeout {msg.timeout_s}s; "
-                              "it goes on (wait again, or cancel it)")
-        completion = sides[0].completion
-        assert completion is not None
-        self._collect(session.id, t)
-        return msgspec.structs.replace(completion, id=msg.id)
+        def stop() -> None:
+            watching[0] = False
+
+        for s in sides:
+            if s.completion is None:
+                s.on_reported.append(reported)
+        return stop
 
     async def cancel(self, session: Session, msg: m.Cancel) -> None:
         """Cancel the request: the registering session's sides, or every side with ``force``."""
