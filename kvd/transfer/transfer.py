@@ -203,6 +203,7 @@ class Transfer:
         # pending (see feed): each hop through the actor's inbox cost a scheduler pass
         # (~50-100 us on the H200 host), and a 1-block transfer made about ten of them.
         self._queued = 0  # items in the inbox
+        self._sleep: trio.CancelScope | None = None  # the actor's wait on its inbox, while it waits
         self._acting = False  # the actor is carrying out actions (it may be awaiting a send)
         self._inline = False  # actions are running in a caller's step
         self._deferred: list[f.Action] = []  # actions of events fed meanwhile: they go after
@@ -259,11 +260,23 @@ class Transfer:
             return
         if actions and self._idle():
             actions = self._run_inline(actions)
-            if not actions and (self.machine.deadline != before or self.machine.finished):
-                self._queue(_Do([]))  # the actor re-reads its deadline / sees the end
+            if not actions:
+                if self.machine.finished:
+                    self._queue(_Do([]))  # the actor sees the end
+                elif self.machine.deadline != before:
+                    self._deadline_moved()
                 return
-        if actions or self.machine.deadline < before:
+        if actions:
             self._queue(_Do(actions))
+        elif self.machine.deadline < before:
+            self._deadline_moved()
+
+    def _deadline_moved(self) -> None:
+        """The machine's deadline moved: an actor asleep in its inbox gets its sleep's deadline
+        moved (trio re-reads it, no wake-up: a scheduler pass saved per request); any other
+        reads the deadline when it next sleeps (one not started yet, when it first does)."""
+        if self._sleep is not None:
+            self._sleep.deadline = self.machine.deadline
 
     def post(self, item: x.XferMessage | x.Notif | x.Credit | f.PeerLost | f.PeerFenced) -> None:
         """Deliver a peer message, a notification or a link event (never blocks): handled
@@ -345,11 +358,17 @@ class Transfer:
                     expired = False
                     while not self.machine.finished:
                         item: Any = None
-                        # once expired, the deadline has done its work: a side still aborting
-                        # waits for its writes (or the peer's word), however long that takes
-                        with trio.move_on_at(math.inf if expired else self.machine.deadline):
-                            item = await self._rx.receive()
+                        try:  # queued already (e.g. what came before the actor started): taken
+                            item = self._rx.receive_nowait()  # without receive()'s scheduler pass
                             self._queued -= 1
+                        except trio.WouldBlock:
+                            # once expired, the deadline has done its work: a side still aborting
+                            # waits for its writes (or the peer's word), however long that takes
+                            with trio.move_on_at(math.inf if expired else self.machine.deadline) as sleep:
+                                self._sleep = None if expired else sleep  # feed may move its deadline
+                                item = await self._rx.receive()
+                                self._queued -= 1
+                            self._sleep = None
                         if item is None:
                             expired = True
                             self._explain_expiry()
