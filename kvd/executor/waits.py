@@ -75,6 +75,7 @@ class Waits:
         self._closed = True
         for w in self._pending:
             w.stop()
+        self._conn.session.inflight -= len(self._pending)  # no reply is owed to a gone executor
         self._pending.clear()
 
     # -- answers (in the reporting step) ---------------------------------------------------
