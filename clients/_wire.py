@@ -9,11 +9,12 @@ from __future__ import annotations
 import array
 import os
 import socket
+import stat
 from collections.abc import Sequence
 from typing import TypeVar
 
 from protocol import messages as m
-from protocol.errors import ProtocolError, error_from_code
+from protocol.errors import ConnectionClosed, ProtocolError, error_from_code
 from protocol.layout import KVLayout
 
 T = TypeVar("T", bound=m.Message)
@@ -26,6 +27,39 @@ ANCILLARY_SIZE = socket.CMSG_SPACE(MAX_FDS * array.array("i").itemsize)
 def default_socket_path() -> str:
     """``$KVD_SOCKET`` or the systemd unit's socket path."""
     return os.environ.get("KVD_SOCKET", "/run/kvd/kvd.sock")
+
+
+#: How a library caller gives the socket (kvctl says ``--socket PATH or KVD_SOCKET``).
+CLIENT_GIVE = "Client(path) / open_client(path) or KVD_SOCKET"
+
+
+def unreachable_hint(path: str, give: str = CLIENT_GIVE) -> str:
+    """What to do when the socket at ``path`` cannot be opened (connect() says only errno).
+
+    ``give`` names how the caller passes the socket path (an argument, an option)."""
+    if not os.path.exists(path):
+        return f"is kvd running with this socket_path? Give its socket with {give} (default /run/kvd/kvd.sock)"
+    if not stat.S_ISSOCK(os.stat(path).st_mode):
+        # connect() on a regular file or a directory also says "Connection refused", which
+        # reads like a dead daemon; the usual cause is the configuration file given as the socket
+        what = "a directory" if os.path.isdir(path) else "not a socket"
+        return (f"{path} is {what}: give the daemon's socket_path (from its configuration, e.g. "
+                f"/run/kvd/kvd.sock), not its configuration file, with {give}")
+    if not os.access(path, os.R_OK | os.W_OK):
+        return ("this user may not open the socket: kvd lets in root, its own user and members of "
+                "its group ([access] in its configuration widens that)")
+    return ("a socket file is there but no daemon answers: a killed daemon leaves it behind; one "
+            "that is starting answers soon (kvctl ping --wait SECONDS)")
+
+
+class SocketUnreachable(ConnectionClosed):
+    """connect() to the daemon's socket failed: ``path`` and ``reason`` (errno's text) say where
+    and why, and the message says what to do. A :class:`ConnectionClosed`, as before."""
+
+    def __init__(self, path: str, reason: str, give: str = CLIENT_GIVE) -> None:
+        super().__init__(f"cannot connect to kvd at {path}: {reason}; {unreachable_hint(path, give)}", by_peer=True)
+        self.path = path
+        self.reason = reason
 
 
 def check_reply(reply: m.Message, expected: type[T]) -> T:

@@ -8,15 +8,18 @@ transfer should have its own client (sessions are cheap).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import socket
 import threading
+from collections.abc import Iterator
 from types import TracebackType
 from typing import TYPE_CHECKING, TypeVar
 
 from clients._wire import (
     ANCILLARY_SIZE,
+    SocketUnreachable,
     check_reply,
     completion_or_raise,
     default_socket_path,
@@ -37,18 +40,27 @@ T = TypeVar("T", bound=m.Message)
 
 
 class Client:
-    """A blocking session with the local daemon; a context manager."""
+    """A blocking session with the local daemon; a context manager.
+
+    ``path``: the daemon's ``socket_path`` (default ``$KVD_SOCKET``, else ``/run/kvd/kvd.sock``);
+    a socket that cannot be reached raises :class:`~protocol.errors.ConnectionClosed` saying
+    what to check. ``client`` names the session in ``kvctl sessions`` and the daemon's log.
+    ``timeout``: seconds the daemon may take to answer a call (``None``: no limit); a
+    :meth:`wait` may take its own ``timeout_s`` on top of it, so a long wait needs no large
+    ``timeout``.
+    """
 
     def __init__(self, path: str | None = None, *, client: str = "", timeout: float | None = None) -> None:
         self.path = path or default_socket_path()
+        self._timeout = timeout
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.settimeout(timeout)
         try:
             self._sock.connect(self.path)
         except OSError as exc:
             self._sock.close()
-            raise ConnectionClosed(f"cannot connect to kvd at {self.path}: {exc.strerror}", by_peer=True) from None
-        self._lock = threading.Lock()
+            raise SocketUnreachable(self.path, exc.strerror or str(exc)) from None
+        self._lock = threading.RLock()  # wait() holds it around _call, to set the socket timeout
         self._ids = itertools.count(1)
         self._frames = FrameBuffer(DEFAULT_MAX_FRAME_SIZE)
         self._ready: list[tuple[m.Message, list[int]]] = []
@@ -81,6 +93,12 @@ class Client:
         while not self._ready:
             try:
                 data, anc, _flags, _addr = self._sock.recvmsg(65536, ANCILLARY_SIZE)
+            except TimeoutError:
+                # the connection is fine (the late reply is dropped when it comes): say which
+                # limit ran out, not "the connection broke"
+                raise ConnectionClosed(
+                    f"the daemon did not answer within {self._sock.gettimeout()} s (this Client's timeout); "
+                    "give Client a larger timeout, or None", by_peer=False) from None
             except OSError as exc:
                 raise ConnectionClosed(f"connection to the daemon broke: {exc}", by_peer=True) from None
             fds = fds_from_ancillary(anc)
@@ -121,7 +139,7 @@ class Client:
         """Send the registration and its wait in one write, then read both replies: the
         daemon takes the wait as soon as the registration is done, with no client turn between."""
         wait = m.Wait(id=self._id(), request_id=msg.request_id, timeout_s=timeout_s)
-        with self._lock:
+        with self._lock, self._patience(timeout_s):
             try:
                 self._sock.sendall(encode(msg) + encode(wait))
             except OSError as exc:
@@ -134,6 +152,21 @@ class Client:
             _close_all(fds)
         return completion_or_raise(check_reply(reply, m.Completion))
 
+    @contextlib.contextmanager
+    def _patience(self, wait_s: float | None) -> Iterator[None]:
+        """The socket's timeout while a wait's reply is due: the daemon answers a wait when the
+        transfer ends or ``wait_s`` has passed, so ``timeout`` bounds only the time after that
+        (with ``Client(timeout=10)``, ``wait(timeout_s=60)`` failed after 10 s as a broken
+        connection). Called with the lock held: no other call uses the socket meanwhile."""
+        if self._timeout is None:
+            yield
+            return
+        self._sock.settimeout(None if wait_s is None else wait_s + self._timeout)
+        try:
+            yield
+        finally:
+            self._sock.settimeout(self._timeout)
+
     def _call(self, msg: m.Message, expected: type[T]) -> T:
         reply, fds = self._call_with_fds(msg, expected)
         for fd in fds:
@@ -142,12 +175,16 @@ class Client:
 
     # -- API (mirrors AsyncClient) ----------------------------------------------------------
     def ping(self, payload: bytes = b"") -> bytes:
+        """A round trip to the daemon; returns ``payload`` as it came back."""
         return self._call(m.Ping(id=self._id(), payload=payload), m.Pong).payload
 
     def stats(self) -> m.DaemonStats:
+        """The daemon's state and counters (what ``kvctl stats`` shows)."""
         return self._call(m.Stats(id=self._id()), m.StatsReply).stats
 
     def pools(self) -> list[m.PoolInfo]:
+        """Every pool of the daemon: kind, occupancy and, in ``layout`` and ``rank``, the layout its
+        configuration gives it (the one to register with, ``num_blocks`` included)."""
         return self._call(m.ListPools(id=self._id()), m.PoolsReply).pools
 
     def sessions(self, offset: int = 0, limit: int = 0) -> list[m.SessionInfo]:
@@ -171,21 +208,32 @@ class Client:
         return self._call(m.ListPeers(id=self._id()), m.PeersReply).peers
 
     def config(self) -> str:
+        """The daemon's effective configuration as JSON."""
         return self._call(m.GetConfig(id=self._id()), m.ConfigReply).config_json
 
     def drain(self) -> None:
+        """Stop the daemon gracefully: no new work, in-flight transfers finish, then it exits
+        (operators only: root, the daemon's user, ``[access] operator_gids``; else ``PermissionDenied``)."""
         self._call(m.Drain(id=self._id()), m.Ok)
 
     def attach(self, pool: str) -> MappedPool:
+        """Map ``pool`` into this process: ``.tensor`` is a torch view of kvd's memory in the pool's
+        axis order, ``.info`` its :class:`~protocol.messages.PoolInfo`."""
         from clients.attach import map_pool  # before the call: a failed import leaks no fds
 
         reply, fds = self._call_with_fds(m.AttachPool(id=self._id(), pool=pool), m.Attached)
         return map_pool(reply, fds)
 
     def alloc(self, pool: str, count: int) -> list[int]:
+        """Lease ``count`` free blocks of ``pool`` to this session; returns their ids (not necessarily
+        contiguous or sorted). They stay leased until :meth:`free` or the end of the session.
+        ``OutOfBlocks`` when fewer are free; ``NotFound`` names the pools there are."""
         return self._call(m.Alloc(id=self._id(), pool=pool, count=count), m.Allocated).block_ids
 
     def free(self, pool: str, block_ids: list[int]) -> int:
+        """Return leased blocks to ``pool``; returns how many. All or nothing: ``BlockNotLeased`` if an id
+        is not leased to this session (never allocated, or freed already), ``BlocksInUse`` while a
+        request still uses them (wait for it or cancel it first)."""
         return self._call(m.Free(id=self._id(), pool=pool, block_ids=list(block_ids)), m.Freed).count
 
     def expect(
@@ -200,8 +248,12 @@ class Client:
         deadline_s: float | None = None,
         peer: str = "",
     ) -> None:
-        """gen side: this rank will receive ``request_id`` into ``block_ids`` (``peer``: the ctx
-        daemon's node, when known, for a transfer without a round trip)."""
+        """gen side: this rank will receive ``request_id`` into ``block_ids`` (token order).
+
+        ``peer`` names the ctx daemon's node when known: once every gen rank registered, the
+        destination goes to it unasked and the ctx side's publish moves bytes at once. Returns
+        once registered; :meth:`wait` gives the outcome. Refused at once as :meth:`publish` is.
+        """
         msg = expect_request(self._id(), request_id, pool, layout, rank, block_ids, ranks, deadline_s, peer)
         self._call(msg, m.Registered)
 
@@ -217,6 +269,15 @@ class Client:
         ranks: list[int] | None = None,
         deadline_s: float | None = None,
     ) -> None:
+        """ctx side: this rank's KV of ``request_id`` is in ``block_ids`` (token order); send it to
+        ``peer``, the gen daemon's ``node`` name (this daemon's own node: between its own pools).
+
+        Returns once registered; :meth:`wait` gives the outcome. Refused at once with
+        ``UnknownPeer`` (a name neither configured nor connected), ``IncompatibleLayout`` (``layout``
+        is not the pool's), ``BlockNotLeased`` or ``DuplicateRequest``. ``deadline_s`` bounds the
+        whole transfer (default ``[transfer] deadline_s``); a peer that is down fails it then,
+        with ``PeerUnavailable``.
+        """
         msg = publish_request(self._id(), request_id, pool, layout, rank, block_ids, peer, ranks, deadline_s)
         self._call(msg, m.Registered)
 
@@ -257,7 +318,13 @@ class Client:
         return self._register_and_wait(msg, timeout_s)
 
     def wait(self, request_id: str, timeout_s: float | None = None) -> m.Completion:
-        reply = self._call(m.Wait(id=self._id(), request_id=request_id, timeout_s=timeout_s), m.Completion)
+        """Wait for the transfer; returns its Completion, raises its error if it failed.
+
+        ``timeout_s`` passing raises :class:`~protocol.errors.WaitTimeout`; the transfer goes on.
+        """
+        msg = m.Wait(id=self._id(), request_id=request_id, timeout_s=timeout_s)
+        with self._lock, self._patience(timeout_s):  # the lock is reentrant: _call takes it too
+            reply = self._call(msg, m.Completion)
         return completion_or_raise(reply)
 
     def cancel(self, request_id: str, *, force: bool = False) -> None:

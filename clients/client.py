@@ -23,8 +23,10 @@ import trio
 
 from clients._wire import (
     ANCILLARY_SIZE,
+    SocketUnreachable,
     check_reply,
     completion_or_raise,
+    default_socket_path,
     expect_request,
     fds_from_ancillary,
     publish_request,
@@ -172,12 +174,16 @@ class AsyncClient:
         return self.welcome
 
     async def ping(self, payload: bytes = b"") -> bytes:
+        """A round trip to the daemon; returns ``payload`` as it came back."""
         return (await self._call(m.Ping(id=self._id(), payload=payload), m.Pong)).payload
 
     async def stats(self) -> m.DaemonStats:
+        """The daemon's state and counters (what ``kvctl stats`` shows)."""
         return (await self._call(m.Stats(id=self._id()), m.StatsReply)).stats
 
     async def pools(self) -> list[m.PoolInfo]:
+        """Every pool of the daemon: kind, occupancy and, in ``layout`` and ``rank``, the layout its
+        configuration gives it (the one to register with, ``num_blocks`` included)."""
         return (await self._call(m.ListPools(id=self._id()), m.PoolsReply)).pools
 
     async def sessions(self, offset: int = 0, limit: int = 0) -> list[m.SessionInfo]:
@@ -205,19 +211,28 @@ class AsyncClient:
         return (await self._call(m.GetConfig(id=self._id()), m.ConfigReply)).config_json
 
     async def drain(self) -> None:
+        """Stop the daemon gracefully: no new work, in-flight transfers finish, then it exits
+        (operators only: root, the daemon's user, ``[access] operator_gids``; else ``PermissionDenied``)."""
         await self._call(m.Drain(id=self._id()), m.Ok)
 
     async def attach(self, pool: str) -> MappedPool:
-        """Map ``pool`` into this process; ``.tensor`` is a view shaped by its geometry."""
+        """Map ``pool`` into this process: ``.tensor`` is a torch view of kvd's memory in the pool's
+        axis order, ``.info`` its :class:`~protocol.messages.PoolInfo`."""
         from clients.attach import map_pool  # before the call: a failed import leaks no fds
 
         reply, fds = await self._call_with_fds(m.AttachPool(id=self._id(), pool=pool), m.Attached)
         return map_pool(reply, fds)
 
     async def alloc(self, pool: str, count: int) -> list[int]:
+        """Lease ``count`` free blocks of ``pool`` to this session; returns their ids (not necessarily
+        contiguous or sorted). They stay leased until :meth:`free` or the end of the session.
+        ``OutOfBlocks`` when fewer are free; ``NotFound`` names the pools there are."""
         return (await self._call(m.Alloc(id=self._id(), pool=pool, count=count), m.Allocated)).block_ids
 
     async def free(self, pool: str, block_ids: list[int]) -> int:
+        """Return leased blocks to ``pool``; returns how many. All or nothing: ``BlockNotLeased`` if an id
+        is not leased to this session (never allocated, or freed already), ``BlocksInUse`` while a
+        request still uses them (wait for it or cancel it first)."""
         msg = m.Free(id=self._id(), pool=pool, block_ids=list(block_ids))
         return (await self._call(msg, m.Freed)).count
 
@@ -233,10 +248,11 @@ class AsyncClient:
         deadline_s: float | None = None,
         peer: str = "",
     ) -> None:
-        """gen side: this rank will receive ``request_id`` into ``block_ids``.
+        """gen side: this rank will receive ``request_id`` into ``block_ids`` (token order).
 
         ``peer`` names the ctx daemon's node when known: once every gen rank registered, the
-        destination goes to it unasked and the ctx side's publish moves bytes at once.
+        destination goes to it unasked and the ctx side's publish moves bytes at once. Returns
+        once registered; :meth:`wait` gives the outcome. Refused at once as :meth:`publish` is.
         """
         msg = expect_request(self._id(), request_id, pool, layout, rank, block_ids, ranks, deadline_s, peer)
         await self._call(msg, m.Registered)
@@ -253,7 +269,15 @@ class AsyncClient:
         ranks: list[int] | None = None,
         deadline_s: float | None = None,
     ) -> None:
-        """ctx side: this rank's KV for ``request_id`` is in ``block_ids``; send it to ``peer``."""
+        """ctx side: this rank's KV of ``request_id`` is in ``block_ids`` (token order); send it to
+        ``peer``, the gen daemon's ``node`` name (this daemon's own node: between its own pools).
+
+        Returns once registered; :meth:`wait` gives the outcome. Refused at once with
+        ``UnknownPeer`` (a name neither configured nor connected), ``IncompatibleLayout`` (``layout``
+        is not the pool's), ``BlockNotLeased`` or ``DuplicateRequest``. ``deadline_s`` bounds the
+        whole transfer (default ``[transfer] deadline_s``); a peer that is down fails it then,
+        with ``PeerUnavailable``.
+        """
         msg = publish_request(self._id(), request_id, pool, layout, rank, block_ids, peer, ranks, deadline_s)
         await self._call(msg, m.Registered)
 
@@ -308,16 +332,19 @@ class AsyncClient:
 
 @asynccontextmanager
 async def open_client(path: str | None = None, *, client: str = "") -> AsyncIterator[AsyncClient]:
-    """Connect, handshake, and yield an :class:`AsyncClient`; closes the session on exit."""
-    from clients._wire import default_socket_path
+    """Connect, handshake, and yield an :class:`AsyncClient`; closes the session on exit.
 
+    ``path``: the daemon's ``socket_path`` (default ``$KVD_SOCKET``, else ``/run/kvd/kvd.sock``);
+    a socket that cannot be reached raises :class:`~protocol.errors.ConnectionClosed` saying
+    what to check. ``client`` names the session in ``kvctl sessions`` and the daemon's log.
+    """
     path = path or default_socket_path()
     sock = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_STREAM)
     try:
         await sock.connect(path)
     except OSError as exc:
         sock.close()
-        raise ConnectionClosed(f"cannot connect to kvd at {path}: {exc.strerror}", by_peer=True) from None
+        raise SocketUnreachable(path, exc.strerror or str(exc)) from None
     kvd = AsyncClient(sock)
     try:
         async with trio.open_nursery() as nursery:

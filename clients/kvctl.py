@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import stat
 import sys
 import time
 from collections.abc import Callable
@@ -22,12 +21,14 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from clients._wire import default_socket_path
+from clients._wire import SocketUnreachable, unreachable_hint
 from clients.blocking import Client
 from protocol import messages as m
 from protocol.errors import ConnectionClosed, KvdError, NotFound
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
+#: How a kvctl user gives the daemon's socket (in the hint when it cannot be reached).
+KVCTL_GIVE = "--socket PATH or KVD_SOCKET"
 #: Entries asked for per request when following the pages of a list (one frame holds them).
 DEFAULT_PAGE_SIZE = 256
 _T = TypeVar("_T")
@@ -63,8 +64,21 @@ def _window_title(name: str, shown: int, total: int, offset: int) -> str:
     return f"{name} {offset + 1}-{offset + shown} of {total}" if shown else f"{name}: none at offset {offset} ({total} in all)"
 
 
-def _gb(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+def _size(n: int) -> str:
+    """A byte count for people: GiB, MiB, KiB or bytes (a 24 KiB request read as 0.0 MiB)."""
+    if n >= 2**30:
+        return f"{n / 2**30:.2f} GiB"
+    if n >= 2**20:
+        return f"{n / 2**20:.1f} MiB"
+    return f"{n / 2**10:.1f} KiB" if n >= 2**10 else f"{n} B"
+
+
+def _chunks(done: int, total: int) -> str:
+    """``done/total`` where the path plans its chunks (bounce); the writes that landed where it
+    does not (direct, fragment: no total, which read as ``1/0``); ``-`` before any."""
+    if total:
+        return f"{done}/{total}"
+    return str(done) if done else "-"
 
 
 def _print_table(title: str, columns: list[str], rows: list[list[Any]]) -> None:
@@ -95,7 +109,7 @@ def _pools_rows(pools: list[m.PoolInfo]) -> list[list[Any]]:
     return [
         # a host pool has no GPU: "-" rather than its device -1 (JSON keeps the number)
         [p.name, p.kind, p.device if p.device >= 0 else "-", p.fallback_reason or "-", p.blocks_used, p.blocks_free,
-         p.sessions, _gb(p.pool_bytes)]
+         p.sessions, _size(p.pool_bytes)]
         for p in pools
     ]
 
@@ -119,9 +133,9 @@ TRANSFER_COLUMNS = ["request", "role", "peer", "state", "path", "chunks", "bytes
 def _transfer_rows(transfers: list[m.TransferInfo]) -> list[list[Any]]:
     rows = []
     for t in transfers:
-        total = f" / {_gb(t.bytes_total)}" if t.bytes_total else ""
-        rows.append([t.request_id, t.role, t.peer or "-", t.state, t.path or "-", f"{t.chunks_done}/{t.chunks_total}",
-                     f"{_gb(t.bytes_done)}{total}", _bar(t.bytes_done, t.bytes_total), f"{t.duration_s:.2f}s",
+        total = f" / {_size(t.bytes_total)}" if t.bytes_total else ""
+        rows.append([t.request_id, t.role, t.peer or "-", t.state, t.path or "-", _chunks(t.chunks_done, t.chunks_total),
+                     f"{_size(t.bytes_done)}{total}", _bar(t.bytes_done, t.bytes_total), f"{t.duration_s:.2f}s",
                      t.error or ""])
     return rows
 
@@ -195,12 +209,12 @@ def run(args: argparse.Namespace) -> int:
                       f"{'DRAINING' if st.draining else 'serving'}")
                 print(f"sessions {st.sessions}, blocks leased {st.blocks_leased}, peers {st.peers_connected}")
                 print(f"transfers: {st.transfers_active} active, {st.transfers_done} done, {st.transfers_failed} failed; "
-                      f"sent {_gb(st.bytes_sent)}, received {_gb(st.bytes_received)}")
+                      f"sent {_size(st.bytes_sent)}, received {_size(st.bytes_received)}")
                 print(f"bounce chunks in use {st.bounce_chunks_in_use}/{st.bounce_chunks_total}")
-                if not st.pools:
+                if not st.pools:  # said in words; an empty pools table under it would add nothing
                     print("no pools configured: executors can allocate no blocks and register no requests "
                           "(add a [[pools]] table to the configuration)")
-                if cmd == "status":
+                elif cmd == "status":
                     _print_table("pools", POOL_COLUMNS, _pools_rows(st.pools))
             _out(args, st, human)
         elif cmd == "pools":
@@ -242,24 +256,6 @@ def _ping_until_up(args: argparse.Namespace) -> int:
             if time.monotonic() >= deadline:
                 raise
         time.sleep(0.1)
-
-
-def _unreachable_hint(path: str) -> str:
-    """What to do when the socket at ``path`` cannot be opened (the error says only errno)."""
-    if not os.path.exists(path):
-        return ("is kvd running with this socket_path? Give its socket with --socket PATH or "
-                "KVD_SOCKET (default /run/kvd/kvd.sock)")
-    if not stat.S_ISSOCK(os.stat(path).st_mode):
-        # connect() on a regular file or a directory also says "Connection refused", which
-        # reads like a dead daemon; the usual cause is the configuration file given for --socket
-        what = "a directory" if os.path.isdir(path) else "not a socket"
-        return (f"{path} is {what}: give the daemon's socket_path (from its configuration, e.g. "
-                "/run/kvd/kvd.sock), not its configuration file, with --socket PATH or KVD_SOCKET")
-    if not os.access(path, os.R_OK | os.W_OK):
-        return ("this user may not open the socket: kvd lets in root, its own user and members of "
-                "its group ([access] in its configuration widens that)")
-    return ("a socket file is there but no daemon answers: a killed daemon leaves it behind; one "
-            "that is starting answers soon (kvctl ping --wait SECONDS)")
 
 
 def _out(args: argparse.Namespace, obj: Any, human: Any) -> None:
@@ -385,9 +381,13 @@ def main(argv: list[str] | None = None) -> int:
         # wanted, so no traceback and exit 0 (a script with pipefail must not fail on it).
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_OK
+    except SocketUnreachable as exc:
+        # the client's hint names Client(path); kvctl's user gives the socket as an option
+        print(f"kvctl: [{exc.code}] cannot connect to kvd at {exc.path}: {exc.reason}; "
+              f"{unreachable_hint(exc.path, KVCTL_GIVE)}", file=sys.stderr)
+        return EXIT_UNREACHABLE
     except ConnectionClosed as exc:
-        hint = f"; {_unreachable_hint(args.socket or default_socket_path())}" if "cannot connect to kvd" in str(exc) else ""
-        print(f"kvctl: {exc}{hint}", file=sys.stderr)
+        print(f"kvctl: {exc}", file=sys.stderr)
         return EXIT_UNREACHABLE
     except KvdError as exc:
         hint = ""

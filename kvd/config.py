@@ -102,6 +102,11 @@ class TransferConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
     bounce_wait_s: float = 5.0  # how long to wait for credits before per-fragment fallback
     descs_per_write: int = 8192  # NIXL descriptors per write on the direct/fragment paths
     nixl_progress_thread: bool = False  # off is faster on small hosts (measured on 2 cores)
+    # While any request is unfinished, the event loop spins (never sleeps in the kernel) so a
+    # frame is handled as soon as it arrives: a wake-up from a blocking poll costs ~0.3 ms per
+    # hop on some hosts. One core busy per daemon while requests are pending; idle daemons
+    # sleep. "auto" = on with at least BUSY_POLL_AUTO_CPUS usable cores.
+    busy_poll: Literal["auto", "on", "off"] = "auto"
     heartbeat_interval_s: float = 2.0  # peer-link heartbeat period
     heartbeat_timeout_s: float = 10.0  # silence after which a peer is declared gone
     # A configured peer that refuses the handshake (wrong secret, another version) is retried
@@ -117,6 +122,26 @@ class TransferConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
     # Same-node peers: attach the peer's pools over its Unix socket and regroup straight into
     # them (path "mapped": no NIXL, no bounce). Off = always go through NIXL.
     mapped: bool = True
+
+    def busy_poll_on(self) -> bool:
+        """Whether the event loop spins while requests are pending (``busy_poll`` resolved)."""
+        if self.busy_poll == "auto":
+            return usable_cpus() >= BUSY_POLL_AUTO_CPUS
+        return self.busy_poll == "on"
+
+
+#: ``busy_poll = "auto"`` spins on hosts with at least this many usable cores: a serving node
+#: has dozens, where one busy core per daemon is cheap; on a small host the spinning daemons
+#: would take the cores the executors need.
+BUSY_POLL_AUTO_CPUS = 8
+
+
+def usable_cpus() -> int:
+    """Cores this process may run on (its affinity mask, not the machine's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
 
 
 class LimitsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -210,7 +235,31 @@ def config_from_dict(data: Mapping[str, object], env: Mapping[str, str] | None =
             pool.layout()  # validates geometry and block count
         except BadRequest as exc:
             raise BadRequest(f"invalid configuration: {_pool_problem(i, exc.message)}") from None
+    _check_peers_and_ports(cfg)
     return cfg
+
+
+_ANY_ADDRESS = frozenset({"", "0.0.0.0", "::"})
+
+
+def _check_peers_and_ports(cfg: Config) -> None:
+    """What the daemon would otherwise find out later, and report as something else: two
+    [[peers]] of one name started two links to 'one' peer; a peer named as this daemon's own node
+    failed only at the handshake; metrics_port = peer_port failed at startup as 'already in use;
+    stop the process that holds it', the process being this daemon."""
+    names: set[str] = set()
+    for i, peer in enumerate(cfg.peers):
+        if peer.name == cfg.node:
+            raise BadRequest(f"invalid configuration: peer name {peer.name!r} is this daemon's own node: a "
+                             f"[[peers]] entry names another daemon, by that daemon's node - at `$.peers[{i}].name`")
+        if peer.name in names:
+            raise BadRequest(f"invalid configuration: duplicate peer name {peer.name!r} (one [[peers]] table "
+                             f"per peer daemon) - at `$.peers[{i}].name`")
+        names.add(peer.name)
+    same_host = cfg.peer_host == cfg.metrics_host or {cfg.peer_host, cfg.metrics_host} & _ANY_ADDRESS
+    if cfg.metrics_port and cfg.metrics_port == cfg.peer_port and same_host:
+        raise BadRequest(f"invalid configuration: metrics_port {cfg.metrics_port} is peer_port too; this daemon "
+                         "listens on both: give metrics_port another port (0 = off) - at `$.metrics_port`")
 
 
 _POOL_FIELDS = frozenset(f.name for f in msgspec.structs.fields(PoolConfig))

@@ -330,6 +330,8 @@ class Daemon:
             bounce_chunks_in_use=engine.bounce_chunks_in_use() if engine else 0,
             peers_connected=engine.peers_connected() if engine else 0,
             pools=self.pool_infos(),
+            busy_poll=engine.busy_poll if engine else False,
+            busy_poll_passes=engine.busy_passes if engine else 0,
         )
 
     # -- lifecycle --------------------------------------------------------------------------

@@ -115,6 +115,8 @@ class DaemonStats(msgspec.Struct, frozen=True, kw_only=True):
     bounce_chunks_in_use: int
     peers_connected: int
     pools: list[PoolInfo] = []
+    busy_poll: bool = False  # the event loop spins while requests are pending (transfer.busy_poll)
+    busy_poll_passes: int = 0  # scheduler passes spun so far (stays put while nothing is pending)
 
 
 # --- requests (client → daemon) ----------------------------------------------------------

@@ -73,9 +73,12 @@ class Counts:
     want_ended: int = -1
 
     def posted(self, n: int = 1) -> None:
+        self.check()
+        self.n_posted += n
+
+    def check(self) -> None:
         if self.stop:
             raise TransferCancelled("aborting: no new write")
-        self.n_posted += n
 
     def ended(self, n: int = 1) -> None:
         self.n_ended += n

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from kvd.bench import latency
 
 
@@ -20,3 +22,29 @@ def test_latency_rows_for_both_orders(tmp_path: Path) -> None:
     gen_first, ctx_first = rows
     assert gen_first["round_trips"] == [0]  # gen announced its destination before publish
     assert ctx_first["round_trips"] == [1]  # offer, then accept
+
+
+def test_gen_executors_run_in_their_own_processes_and_report_failures(tmp_path: Path) -> None:
+    """Each gen rank is a process of its own; a rank whose registration is refused (a request
+    id over the protocol's length limit) makes the bench raise that rank's error instead of
+    hanging, and closing the executors leaves no process behind."""
+    from kvd.demo.pair import start_pair
+
+    ctx_d, gen_d = start_pair(tmp_path, gen_tp=latency.GEN_TP, blocks=2, bounce_mb=64, chunk_mb=16,
+                              extra_transfer={"mapped": True})
+    try:
+        latency._wait_for_link(gen_d)
+        ex = latency._Executors(ctx_d, gen_d, 1)
+        try:
+            pids = {p.pid for p in ex.procs}
+            assert len(pids) == latency.GEN_TP and all(p.is_alive() for p in ex.procs)
+            wall, ctx_wall, nbytes = ex.once("r-once", gen_first=True)
+            assert 0 < ctx_wall <= wall and nbytes > 0
+            with pytest.raises(RuntimeError, match=r"gen rank 0: "):
+                ex.once("r" * 300, gen_first=True)  # refused by the daemon, in the rank's process
+        finally:
+            ex.close()
+        assert not any(p.is_alive() for p in ex.procs)
+    finally:
+        ctx_d.stop()
+        gen_d.stop()

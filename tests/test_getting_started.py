@@ -17,7 +17,7 @@ import socket
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,8 @@ import msgspec
 import pytest
 
 from kvd.config import Config, LimitsConfig, TransferConfig
+from kvd.demo.launch import DaemonProcess
+from tests.hostile import events, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "getting-started.md"
@@ -131,10 +133,35 @@ def test_the_defaults_the_configs_state_are_true() -> None:
                 stated.append((name, key, value, str(real)))
     assert stated, "the page states no default any more: drop this test"
     assert [s for s in stated if s[2] != s[3]] == []
-    # the retry schedule the page gives for a ctx daemon started before gen's peer port listens
+    # a peer that refuses the handshake: the page names the settings, here are their defaults
     doc = " ".join(DOC.read_text().split())
-    assert "it tries again after 1 s, then 2, 4, … (`transfer.reconnect_initial_s`, doubling" in doc
-    assert TransferConfig().reconnect_initial_s == 1.0
+    assert "is retried after `transfer.reconnect_initial_s`, doubling up to `reconnect_max_s`" in doc
+
+
+def test_the_retry_schedule_the_page_gives_is_true(daemon_factory: Callable[..., DaemonProcess],
+                                                    short_tmp: Path) -> None:
+    """A ctx daemon started before gen's peer port listens: the page says when it tries again.
+    It said "after 1 s, then 2, 4, ..." (reconnect_initial_s, which paces refused handshakes);
+    a refused TCP connect is retried within 0.1 s, the wait doubling up to 2 s, less a random
+    part (up to half). Checked on a real daemon's retry lines, attempts 1 to 6 (the cap)."""
+    doc = " ".join(DOC.read_text().split())
+    assert ("it tries again within 0.1 s, then waits twice as long each time (less a random part), up to 2 s, "
+            "so the link comes up by itself at most about 2 s after gen listens") in doc
+    secret = short_tmp / "peer.secret"
+    secret.write_text("s" * 64)
+    secret.chmod(0o600)
+    with socket.socket() as refusing:  # bound, never listening: every connect is refused
+        refusing.bind(("127.0.0.1", 0))
+        port = refusing.getsockname()[1]
+        d = daemon_factory({"peer_secret_file": str(secret), "log_level": "debug",
+                            "peers": [{"name": "gen", "host": "127.0.0.1", "port": port}]}, name="ctx")
+        wait_until(lambda: len(events(d, "peer.connect_retry")) >= 6, "six refused connects")
+    waits = [(r["attempt"], r["retry_in_s"]) for r in events(d, "peer.connect_retry")[:6]]
+    assert [a for a, _ in waits] == [1, 2, 3, 4, 5, 6]
+    for attempt, wait in waits:
+        cap = min(2.0, 0.1 * 2 ** (attempt - 1))
+        assert cap / 2 <= wait <= cap, (attempt, wait)
+    assert all("Connection refused" in r["error"] for r in events(d, "peer.connect_retry"))
 
 
 def test_what_the_doc_says_about_shapes_is_true(workdir: Path) -> None:
@@ -164,3 +191,35 @@ def _group_alive(pgid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def test_a_token_count_mismatch_fails_as_the_page_says(daemon_factory: Callable[..., DaemonProcess],
+                                                       short_tmp: Path) -> None:
+    """The page said a mismatch fails the registration; both registrations are accepted (neither
+    side knows the other's count yet) and both waits raise BadRequest with the two counts, in
+    either order and whether gen names the ctx node or not."""
+    from clients import Client
+    from protocol.errors import BadRequest
+    from protocol.layout import KVLayout
+    from tests.transfer_harness import start_pair
+
+    doc = " ".join(DOC.read_text().split())
+    assert ("the request fails on both sides once they meet, `wait` raising `BadRequest` with both counts "
+            "(`ctx has 3 blocks x 16 tokens = 48 token slots, gen has 2 blocks x 16 tokens = 32`)") in doc
+    layout = KVLayout(num_layers=2, num_kv_heads=8, head_dim=64, tokens_per_block=16, dtype="bfloat16")
+    pair = start_pair(daemon_factory, short_tmp, layout, layout)
+    said = "ctx has 3 blocks x 16 tokens = 48 token slots, gen has 2 blocks x 16 tokens = 32"
+    with Client(pair.ctx.socket_path, client="ctx", timeout=30) as ctx, \
+            Client(pair.gen.socket_path, client="gen", timeout=30) as gen:
+        for request, gen_first, peer in (("m1", True, ""), ("m2", False, ""), ("m3", True, "ctx")):
+            def expect(request: str = request, peer: str = peer) -> None:
+                gen.expect(request, "gen0", layout, 0, gen.alloc("gen0", 2), peer=peer)  # 32 token slots
+
+            def publish(request: str = request) -> None:
+                ctx.publish(request, "ctx0", layout, 0, ctx.alloc("ctx0", 3), peer="gen")  # 48
+
+            for register in (expect, publish) if gen_first else (publish, expect):
+                register()  # accepted: no error here
+            for side in (ctx, gen):
+                with pytest.raises(BadRequest, match=said):
+                    side.wait(request, timeout_s=60)

@@ -20,7 +20,7 @@ import msgspec
 import pytest
 
 from clients import Client
-from clients.kvctl import _bar, _transfer_rows, fetch_pages
+from clients.kvctl import _bar, _size, _transfer_rows, fetch_pages
 from kvd.demo.launch import DaemonProcess, start_daemon
 from protocol import messages as m
 from protocol.errors import TransferCancelled
@@ -159,6 +159,18 @@ def test_progress_column() -> None:
     assert row[6] == "1.0 MiB / 4.0 MiB"
     assert row[7] == "[=====>              ]  25%"
     assert _bar(0, 0) == "-" and _bar(5, 5).endswith("] 100%")
+
+
+def test_chunks_and_sizes_of_small_and_unchunked_transfers() -> None:
+    """A direct transfer plans no chunks (chunks_total 0) but counts the writes that landed: it
+    read ``1/0``; a 24 KiB request read ``0.0 MiB / 0.0 MiB``; one not started, ``0/0``."""
+    direct = m.TransferInfo(request_id="d", role="ctx", peer="gen", state="done", bytes_total=24576,
+                            bytes_done=24576, chunks_total=0, chunks_done=1, path="direct", duration_s=0.03)
+    waiting = m.TransferInfo(request_id="w", role="gen", peer="ctx", state="dest_out")
+    assert _transfer_rows([direct])[0][5:7] == ["1", "24.0 KiB / 24.0 KiB"]
+    assert _transfer_rows([waiting])[0][5:7] == ["-", "0 B"]
+    assert [_size(n) for n in (0, 1023, 1024, 917504, 1 << 20, 3 << 30)] == [
+        "0 B", "1023 B", "1.0 KiB", "896.0 KiB", "1.0 MiB", "3.00 GiB"]
 
 
 def test_config(served: Any) -> None:
@@ -471,6 +483,10 @@ def test_peers_and_ctx_duration_from_the_match(pair: tuple[DaemonProcess, Daemon
         # gen's expect named no peer: its row names the daemon that matched it
         (row_gen,) = [t for t in gen.transfers() if t.request_id == "late-gen"]
         assert row_gen.peer == "ctx" and row_gen.state == "done"
+        # the direct path plans no chunks: its chunks cell counts the writes that landed (it read "1/0")
+        run = kvctl("transfers", socket=ctx_d.socket_path)
+        row = next(line for line in run.stdout.splitlines() if line.startswith("late-gen")).split()
+        assert row[3:5] == ["done", "direct"] and row[5].isdigit() and int(row[5]) >= 1, row
     finally:
         ctx.close()
         gen.close()
@@ -611,6 +627,7 @@ def test_a_daemon_without_pools_says_so(daemon_factory: Callable[..., DaemonProc
     run = kvctl("status", socket=d.socket_path)
     assert run.returncode == 0, run.stderr
     assert "no pools configured: executors can allocate no blocks" in run.stdout
+    assert "pool  kind" not in run.stdout  # no empty pools table under that line
     assert ok_json("status", socket=d.socket_path)["pools"] == []
     # a daemon with pools says nothing of the kind
     other = daemon_factory(name="withpools")

@@ -20,7 +20,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvd.regroup.plan import KVLayout, plan
+from kvd.regroup.plan import CheckedBlocks, KVLayout, check_blocks, plan
 from kvd.regroup.stager import gather, scatter, schedule
 from protocol.errors import BadRequest, IncompatibleLayout
 from protocol.layout import TRTLLM_AXIS_ORDER, VLLM_AXIS_ORDER
@@ -376,6 +376,42 @@ def test_incompatible_tokens_per_block() -> None:
 def test_bad_blocks(ctx_blocks: Any, gen_blocks: Any, match: str) -> None:
     with pytest.raises(BadRequest, match=match):
         plan(oss(), oss(), ctx_blocks, gen_blocks)
+
+
+@pytest.mark.parametrize(
+    ("gen_blocks", "match"),
+    [
+        ({0: [-1, 1]}, r"gen rank 0: block id -1 out of range"),
+        ({0: [3, 3]}, r"gen rank 0: duplicate block id 3"),
+        ({0: [0], 1: [1]}, r"gen_blocks names rank 1, outside the layout's ranks \[0, 1\)"),
+    ],
+)
+def test_check_blocks_refuses_what_plan_refuses(gen_blocks: Any, match: str) -> None:
+    with pytest.raises(BadRequest, match=match):
+        check_blocks("gen", oss(), gen_blocks)
+
+
+def test_a_side_checked_ahead_plans_the_same() -> None:
+    """gen's announced side, checked when it arrives, plans exactly as the raw ids do."""
+    ctx, gen = oss(), oss(tp_size=4)
+    cb = {0: [5, 2, 9]}
+    gb = {r: [7 - r, 3, 11 + r] for r in range(4)}
+    checked = check_blocks("gen", gen, gb)
+    assert isinstance(checked, CheckedBlocks)
+    a, b = plan(ctx, gen, cb, gb), plan(ctx, gen, cb, checked)
+    assert a.pairs() == b.pairs() and a.total_bytes() == b.total_bytes()
+    for pair in a.pairs():
+        assert np.array_equal(a.fragments(*pair), b.fragments(*pair))
+    assert all(np.array_equal(a.gen_offsets[r], b.gen_offsets[r]) for r in range(4))
+
+
+def test_a_side_checked_against_another_layout_is_checked_again() -> None:
+    """Checked against a pool of 1024 blocks, id 100 is fine; planned with a layout of 64
+    blocks it is refused, as if never checked."""
+    small = oss(tp_size=4, num_blocks=64)
+    checked = check_blocks("gen", oss(tp_size=4), {r: [100] for r in range(4)})
+    with pytest.raises(BadRequest, match=r"gen rank 0: block id 100 out of range \[0, 64\)"):
+        plan(oss(), small, {0: [0]}, checked)
 
 
 def test_missing_rank_and_uneven_counts() -> None:

@@ -107,9 +107,11 @@ def test_double_free() -> None:
     ids = a.alloc(1, 3)
     a.free(1, [ids[0]])
     before = snapshot(a)
-    with pytest.raises(BlockNotLeased, match=rf"block {ids[0]} is not leased to session 1: it is free"):
+    with pytest.raises(BlockNotLeased, match=rf"block {ids[0]} is not leased to session 1: it is free") as caught:
         a.free(1, [ids[1], ids[0]])
     assert snapshot(a) == before
+    # and what to do about it
+    assert str(caught.value).endswith("name only ids alloc returned to this session and it has not freed since")
 
 
 def test_duplicate_in_list() -> None:
@@ -133,8 +135,9 @@ def test_foreign_block() -> None:
     ):
         a.free(1, [mine[0], theirs[0]])
     assert snapshot(a) == before
-    with pytest.raises(BlockNotLeased, match="leased to another session"):
+    with pytest.raises(BlockNotLeased, match="leased to another session") as caught:
         a.check_leased(1, theirs)
+    assert "a session names only its own blocks" in str(caught.value)
 
 
 @pytest.mark.parametrize("bad", [8, 100, -1])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -13,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from kvd.config import load_config, table_keys
+from kvd.config import config_from_dict, load_config, table_keys
 from kvd.demo.launch import write_config
 from kvd.startup import EX_CONFIG, StartupError, config_error, explain
 from protocol.errors import BadRequest
@@ -93,6 +94,26 @@ def test_peer_secret_world_readable(short_tmp: Path) -> None:
                   contains=[f"peer secret file {path} has mode 0644", f"chmod 600 {path}"])
 
 
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None,
+                    reason="needs root and setpriv to run kvd as another user")
+def test_peer_secret_of_another_user_says_whose_it_must_be(short_tmp: Path) -> None:
+    """The README's install creates the secret as root, then chowns it to kvd: without the
+    chown, kvd (another user) cannot open it, and the line said only 'Permission denied'."""
+    path = secret(short_tmp)  # root's, mode 600
+    os.chmod(short_tmp, 0o777)  # the socket directory: the daemon must fail on the secret alone
+    cfg = base_config(short_tmp, peer_secret_file=path)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVD_")}
+    env.update({"UCX_NET_DEVICES": "lo", "PYTHONPATH": os.pathsep.join(sys.path), "HOME": str(short_tmp)})
+    cmd = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+           sys.executable, "-m", "kvd", "serve", "--config", write_config(short_tmp, "kvd", cfg)]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, stdin=subprocess.DEVNULL)
+    check_failure(run, exit_code=EX_CONFIG, setting="peer_secret_file",
+                  contains=[f"cannot open peer secret file {path}: Permission denied; kvd runs as ",
+                            "(uid 65534): the file must be that user's, mode 600 (for the systemd unit: "
+                            f"chown kvd:kvd {path})"])
+    assert not (short_tmp / "kvd.sock").exists()
+
+
 def test_peers_without_a_secret(short_tmp: Path) -> None:
     cfg = base_config(short_tmp, peers=[{"name": "gen", "host": "127.0.0.1", "port": 1}])
     run = serve(write_config(short_tmp, "kvd", cfg))
@@ -135,6 +156,20 @@ def test_metrics_port_busy(short_tmp: Path, busy_port: int) -> None:
     check_failure(run, exit_code=1, setting="metrics_port",
                   contains=[f"metrics_port: metrics port {busy_port} on 127.0.0.1 is already in use",
                             "set another metrics_port (KVD_METRICS_PORT; 0 = off)"])
+
+
+def test_metrics_port_is_the_peer_port(short_tmp: Path) -> None:
+    """One port for both listeners: it said 'already in use; stop the process that holds it',
+    the process being this daemon. The configuration alone decides now (exit 78, nothing bound);
+    the same port on two distinct addresses stays allowed."""
+    cfg = base_config(short_tmp, peer_secret_file=secret(short_tmp), peer_port=27400, metrics_port=27400)
+    run = serve(write_config(short_tmp, "kvd", cfg))
+    check_failure(run, exit_code=EX_CONFIG, setting="metrics_port",
+                  contains=["metrics_port: metrics_port 27400 is peer_port too; this daemon listens on both: "
+                            "give metrics_port another port (0 = off)"])
+    assert not (short_tmp / "kvd.sock").exists()
+    ok = config_from_dict({"peer_host": "10.0.0.1", "peer_port": 7400, "metrics_port": 7400}, env={})
+    assert (ok.peer_port, ok.metrics_port, ok.metrics_host) == (7400, 7400, "127.0.0.1")
 
 
 def test_socket_path_busy(short_tmp: Path) -> None:
@@ -234,6 +269,8 @@ POOL = ('[[pools]]\nname = "a"\nmemory = "host"\nnum_layers = 2\nnum_kv_heads = 
      "pools[0].memory: invalid enum value 'hots' (one of: auto, device, fabric, host, posix_fd; did you mean host?) "
      "(in {path})"),
     ('log_level = "verbose"\n', "log_level: invalid enum value 'verbose' (one of: debug, error, info, warning) (in {path})"),
+    ('[transfer]\nbusy_poll = true\n', "transfer.busy_poll: expected `str`, got `bool` (in {path})"),
+    ('[transfer]\nbusy_poll = "always"\n', "transfer.busy_poll: invalid enum value 'always' (one of: auto, off, on) (in {path})"),
     # what the pool's layout refuses is located too (it was "configuration PATH: KVLayout.dtype ...", no setting)
     (POOL.format(extra='dtype = "bf16"'), "pools[0].dtype: 'bf16' is not one of ['bfloat16', 'float16', "),
     (POOL.format(extra="tp_size = 3"), "pools[0].num_kv_heads: num_kv_heads=8 is not divisible by tp_size=3 (in {path})"),
@@ -243,6 +280,16 @@ POOL = ('[[pools]]\nname = "a"\nmemory = "host"\nnum_layers = 2\nnum_kv_heads = 
     (POOL.format(extra="").replace("num_blocks = 4\n", ""), "pools[0].num_blocks: give num_blocks or budget_mb (in {path})"),
     (POOL.format(extra="") + POOL.format(extra=""),
      "pools[1].name: duplicate pool name 'a' (each [[pools]] table needs its own name) (in {path})"),
+    # mistakes the daemon used to find only later, and report as something else
+    ('[[peers]]\nname = "g"\nport = 7400\n[[peers]]\nname = "g"\nhost = "10.0.0.2"\nport = 7400\n',
+     "peers[1].name: duplicate peer name 'g' (one [[peers]] table per peer daemon) (in {path})"),
+    ('node = "ctx"\n[[peers]]\nname = "gen"\nport = 7400\n[[peers]]\nname = "ctx"\nport = 7401\n',
+     "peers[1].name: peer name 'ctx' is this daemon's own node: a [[peers]] entry names another daemon, "
+     "by that daemon's node (in {path})"),
+    ("peer_port = 7400\nmetrics_port = 7400\n",
+     "metrics_port: metrics_port 7400 is peer_port too; this daemon listens on both: give metrics_port another "
+     "port (0 = off) (in {path})"),
+    ('peer_host = "0.0.0.0"\npeer_port = 7400\nmetrics_port = 7400\n', "metrics_port: metrics_port 7400 is peer_port too"),
 ])
 def test_config_errors_start_with_the_setting(short_tmp: Path, toml: str, line: str) -> None:
     """The shapes of configuration mistakes, through the same load_config -> config_error as

@@ -7,8 +7,8 @@ executor publishing first (offer/accept), and reports:
 
 - end-to-end latency, p50 and p99: from the last registration call (the one that completes the
   request) until every executor has its completion, the other executors already waiting as a
-  serving engine's would (each in its own thread, its ``wait`` sent before the request
-  completes) and the completing one sending its registration and its wait together
+  serving engine's would (each gen rank in a process of its own, its ``wait`` sent before the
+  request completes) and the completing one sending its registration and its wait together
   (``publish_and_wait`` / ``expect_and_wait``); also until the ctx executor has its
   completion; GB/s at p50;
 - the ctx side's stage timings (median seconds since its data path started: ``planned``,
@@ -18,14 +18,19 @@ executor publishing first (offer/accept), and reports:
 
 from __future__ import annotations
 
+import contextlib
 import json
+import multiprocessing as mp
 import statistics
 import threading
 import time
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
 from clients.blocking import Client
+from kvd.bench import gen_executor
 from kvd.demo.launch import DaemonProcess
 from kvd.demo.pair import GEOMETRY, start_pair
 from protocol.layout import KVLayout
@@ -42,85 +47,108 @@ def _pct(values: list[float], q: float) -> float:
 
 
 class _Executors:
-    """One ctx executor and four gen executors, their blocks leased once per size."""
+    """One ctx executor (here) and four gen executors, each gen rank in a process of its own
+    (:mod:`kvd.bench.gen_executor`), as a serving engine's TP ranks are: their waits then wake
+    in four interpreters, not four threads queueing for one GIL. Blocks are leased once per size."""
 
     def __init__(self, ctx_d: DaemonProcess, gen_d: DaemonProcess, blocks: int) -> None:
         self.blocks = blocks
         self.ctx_layout = KVLayout(**GEOMETRY, tp_size=1)
-        self.gen_layout = KVLayout(**GEOMETRY, tp_size=GEN_TP)
         self.ctx = Client(ctx_d.socket_path, client="bench-ctx")
-        self.gens = [Client(gen_d.socket_path, client=f"bench-gen{r}") for r in range(GEN_TP)]
         self.ctx_ids = self.ctx.alloc("ctx0", blocks)
-        self.gen_ids = [c.alloc(f"gen{r}", blocks) for r, c in enumerate(self.gens)]
+        spawn = mp.get_context("spawn")  # no fork of a process that may hold CUDA state
+        self.pipes: list[Connection] = []
+        self.procs: list[BaseProcess] = []
+        try:
+            for r in range(GEN_TP):
+                here, there = spawn.Pipe()
+                proc = spawn.Process(target=gen_executor.serve, name=f"bench-gen{r}", daemon=True,
+                                     args=(str(gen_d.socket_path), r, blocks, GEOMETRY, GEN_TP, there))
+                proc.start()
+                there.close()
+                self.pipes.append(here)
+                self.procs.append(proc)
+            for r in range(GEN_TP):
+                self._expect(r, "ready")
+        except BaseException:
+            self.close()
+            raise
+
+    def _expect(self, r: int, what: str, timeout: float = 90.0) -> Any:
+        if not self.pipes[r].poll(timeout):
+            raise TimeoutError(f"gen executor {r} did not answer {what!r} within {timeout} s")
+        kind, value = self.pipes[r].recv()
+        if kind == "error":
+            raise RuntimeError(value)
+        if kind != what:
+            raise RuntimeError(f"gen executor {r} answered {kind!r}, expected {what!r}")
+        return value
 
     def once(self, rid: str, gen_first: bool, pipelined: bool = True) -> tuple[float, float, int]:
         """One request; returns (seconds from the completing registration to every executor's
         completion, to the ctx executor's, bytes). ``pipelined``: the completing executor sends
         its registration and its wait together (``publish_and_wait`` / ``expect_and_wait``);
-        else it registers, then waits from a thread started after the registration returned."""
+        else it registers, then waits."""
         done_at: dict[str, float] = {}
         nbytes: list[int] = []
         errors: list[BaseException] = []
-
-        def expect(r: int) -> None:
-            self.gens[r].expect(rid, f"gen{r}", self.gen_layout, r, self.gen_ids[r], peer="ctx" if gen_first else "")
-
-        def publish() -> None:
-            self.ctx.publish(rid, "ctx0", self.ctx_layout, 0, self.ctx_ids, peer="gen")
-
-        def waiter(name: str, client: Client) -> threading.Thread:
-            def run() -> None:
-                try:
-                    c = client.wait(rid, timeout_s=60)
-                    done_at[name] = time.perf_counter()
-                    if name == "ctx":
-                        nbytes.append(c.bytes)
-                except BaseException as exc:  # reported below, in the caller's thread
-                    errors.append(exc)
-
-            th = threading.Thread(target=run, name=f"wait-{name}")
-            th.start()
-            return th
-
-        threads: list[threading.Thread] = []
+        waiter: threading.Thread | None = None
         if gen_first:
             for r in range(GEN_TP):
-                expect(r)
-            threads += [waiter(f"gen{r}", c) for r, c in enumerate(self.gens)]
+                self.pipes[r].send(("expect", rid, "ctx"))
+            for r in range(GEN_TP):
+                self._expect(r, "registered")
             time.sleep(SETTLE_S)  # let the waits reach the daemon (a benchmark, not a test)
             t0 = time.perf_counter()
             if pipelined:
                 c = self.ctx.publish_and_wait(rid, "ctx0", self.ctx_layout, 0, self.ctx_ids, peer="gen", timeout_s=60)
-                done_at["ctx"] = time.perf_counter()
-                nbytes.append(c.bytes)
             else:
-                publish()
-                threads.append(waiter("ctx", self.ctx))
+                self.ctx.publish(rid, "ctx0", self.ctx_layout, 0, self.ctx_ids, peer="gen")
+                c = self.ctx.wait(rid, timeout_s=60)
+            done_at["ctx"] = time.perf_counter()
+            nbytes.append(c.bytes)
+            for r in range(GEN_TP):
+                done_at[f"gen{r}"] = self._expect(r, "done")
         else:
-            publish()
-            threads.append(waiter("ctx", self.ctx))
-            for r in range(GEN_TP - 1):
-                expect(r)
-            threads += [waiter(f"gen{r}", self.gens[r]) for r in range(GEN_TP - 1)]
-            time.sleep(SETTLE_S)
-            t0 = time.perf_counter()
+            self.ctx.publish(rid, "ctx0", self.ctx_layout, 0, self.ctx_ids, peer="gen")
+
+            def wait_ctx() -> None:
+                try:
+                    c = self.ctx.wait(rid, timeout_s=60)
+                    done_at["ctx"] = time.perf_counter()
+                    nbytes.append(c.bytes)
+                except BaseException as exc:  # reported below, in the caller's thread
+                    errors.append(exc)
+
+            waiter = threading.Thread(target=wait_ctx, name="wait-ctx")
+            waiter.start()
             last = GEN_TP - 1
-            if pipelined:
-                self.gens[last].expect_and_wait(rid, f"gen{last}", self.gen_layout, last, self.gen_ids[last],
-                                                timeout_s=60)
-                done_at[f"gen{last}"] = time.perf_counter()
-            else:
-                expect(last)
-                threads.append(waiter(f"gen{last}", self.gens[last]))
-        for th in threads:
-            th.join(90)
+            for r in range(last):
+                self.pipes[r].send(("expect", rid, ""))
+            for r in range(last):
+                self._expect(r, "registered")
+            time.sleep(SETTLE_S)
+            self.pipes[last].send(("complete", rid, "", pipelined))
+            t0, done_at[f"gen{last}"] = self._expect(last, "done")
+            for r in range(last):
+                done_at[f"gen{r}"] = self._expect(r, "done")
+            waiter.join(90)
         if errors:
             raise errors[0]
         return max(done_at.values()) - t0, done_at["ctx"] - t0, nbytes[0]
 
     def close(self) -> None:
-        for c in [self.ctx, *self.gens]:
-            c.close()
+        self.ctx.close()
+        for pipe in self.pipes:
+            with contextlib.suppress(OSError):
+                pipe.send(("stop",))
+        for proc in self.procs:
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+        for pipe in self.pipes:
+            pipe.close()
 
 
 def _wait_for_link(d: DaemonProcess, timeout: float = 30.0) -> None:
@@ -142,18 +170,19 @@ def _done_lines(d: DaemonProcess) -> dict[str, dict[str, Any]]:
 
 
 def run(workdir: Path, sizes: list[int], repeat: int, *, mapped: bool, memory: str = "host", device: int = -1,
-        gen_device: int | None = None, pipelined: bool = True) -> list[dict[str, Any]]:
+        gen_device: int | None = None, pipelined: bool = True, busy_poll: str = "auto") -> list[dict[str, Any]]:
     """Measure every size and order on one pair of daemons; one row per (size, order).
 
     Host pools by default; ``memory="auto", device=0, gen_device=1`` puts the ctx pool on GPU 0
     and the four gen pools on GPU 1 (the GPU bench's placement). ``pipelined``: the completing
     executor sends its registration and wait together (see :meth:`_Executors.once`).
+    ``busy_poll``: both daemons' ``transfer.busy_poll``.
     """
     sub = workdir / ("lat-mapped" if mapped else "lat-nixl")
     sub.mkdir()
     ctx_d, gen_d = start_pair(sub, gen_tp=GEN_TP, blocks=max(sizes), bounce_mb=64, chunk_mb=16,
                               memory=memory, device=device, gen_device=gen_device,
-                              extra_transfer={"mapped": mapped})
+                              extra_transfer={"mapped": mapped, "busy_poll": busy_poll})
     rows: list[dict[str, Any]] = []
     try:
         _wait_for_link(gen_d)  # gen may name ctx only once ctx's link came up (a known peer)

@@ -10,6 +10,10 @@ pools on GPU 1; memory policy ``auto`` (fabric probe, device fallback). Measured
 - raw NIXL/UCX writes of the same bytes between two processes (GPU0 -> GPU1, cudaMalloc
   memory): 64 MiB descriptors, and one descriptor per 8 KiB regroup fragment;
 - the ratios; ``--json`` for machines, ``--plot PNG`` for GB/s against request size.
+
+``--gen-gpu 0`` runs the same on one GPU (a machine of one GPU): every pool on GPU 0, the ceiling
+a copy within that GPU, NIXL's writes within it too; its ratios say how much of a local copy the
+paths reach, not NVLink's.
 """
 
 from __future__ import annotations
@@ -29,31 +33,32 @@ from typing import Any
 import torch
 
 from kvd.bench import latency
+from kvd.config import usable_cpus
 from kvd.demo.pair import GEOMETRY, Scenario, start_pair
 
 MiB = 1 << 20
 BLOCK_BYTES = 36 * 2 * 8 * 32 * 64 * 2  # GPT-OSS-120B, TP1: 2.25 MiB
 
 
-def _contiguous_copy(nbytes: int, repeat: int) -> float:
+def _contiguous_copy(nbytes: int, repeat: int, gen_gpu: int = 1) -> float:
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0").fill_(7)
-    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda:1")
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{gen_gpu}")
     dst.copy_(src)
     torch.cuda.synchronize(0)
-    torch.cuda.synchronize(1)
+    torch.cuda.synchronize(gen_gpu)
     best = float("inf")
     for _ in range(repeat):
         t0 = time.perf_counter()
         dst.copy_(src, non_blocking=True)
         torch.cuda.synchronize(0)
-        torch.cuda.synchronize(1)
+        torch.cuda.synchronize(gen_gpu)
         best = min(best, time.perf_counter() - t0)
     return nbytes / best / 1e9
 
 
-def _kernel_alone(sizes: list[int], max_blocks: int, repeat: int) -> dict[int, float]:
+def _kernel_alone(sizes: list[int], max_blocks: int, repeat: int, gen_gpu: int = 1) -> dict[int, float]:
     """GB/s of the regroup kernel alone per request size (blocks): ctx TP1 pool on GPU 0 ->
-    four gen TP4 pools on GPU 1, random block ids, one push launch, timed from launch to its
+    four gen TP4 pools on GPU ``gen_gpu``, random block ids, one push launch, timed from launch to its
     event (best of ``repeat``). What the end-to-end path adds is everything around it."""
     import numpy as np
 
@@ -64,7 +69,7 @@ def _kernel_alone(sizes: list[int], max_blocks: int, repeat: int) -> dict[int, f
     geo = {**GEOMETRY, "num_blocks": max_blocks}
     ctx, gen = KVLayout(**geo, tp_size=1), KVLayout(**geo, tp_size=4)
     src = torch.randint(0, 256, (ctx.pool_bytes(0),), dtype=torch.uint8, device="cuda:0")
-    dst = {r: torch.zeros(gen.pool_bytes(r), dtype=torch.uint8, device="cuda:1") for r in range(4)}
+    dst = {r: torch.zeros(gen.pool_bytes(r), dtype=torch.uint8, device=f"cuda:{gen_gpu}") for r in range(4)}
     rng = np.random.default_rng(3)
     out: dict[int, float] = {}
     for n in sizes:
@@ -72,7 +77,7 @@ def _kernel_alone(sizes: list[int], max_blocks: int, repeat: int) -> dict[int, f
         for _ in range(repeat + 1):
             p = plan(ctx, gen, {0: rng.permutation(max_blocks)[:n]}, {r: rng.permutation(max_blocks)[:n] for r in range(4)})
             torch.cuda.synchronize(0)
-            torch.cuda.synchronize(1)
+            torch.cuda.synchronize(gen_gpu)
             t0 = time.perf_counter()
             regroup_apply.regroup(p, 0, src, dst, launch_on="src").wait()
             best = min(best, time.perf_counter() - t0)
@@ -80,15 +85,15 @@ def _kernel_alone(sizes: list[int], max_blocks: int, repeat: int) -> dict[int, f
     return out
 
 
-def _raw_target(path: str, nbytes: int) -> None:
-    """Target process: cudaMalloc'd memory on GPU 1 registered with NIXL; polls until told."""
+def _raw_target(path: str, nbytes: int, gen_gpu: int = 1) -> None:
+    """Target process: cudaMalloc'd memory on GPU ``gen_gpu`` registered with NIXL; polls until told."""
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     from kvd.transport import NixlAgent, Region
 
-    torch.cuda.set_device(1)
-    dst = torch.zeros(nbytes, dtype=torch.uint8, device="cuda:1")
+    torch.cuda.set_device(gen_gpu)
+    dst = torch.zeros(nbytes, dtype=torch.uint8, device=f"cuda:{gen_gpu}")
     agent = NixlAgent("raw-target")
-    agent.register([Region(dst.data_ptr(), nbytes, 1, "VRAM")])
+    agent.register([Region(dst.data_ptr(), nbytes, gen_gpu, "VRAM")])
     s = socket.socket(socket.AF_UNIX)
     s.connect(path)
     md = agent.metadata()
@@ -114,7 +119,7 @@ def _recv_exact(s: socket.socket, n: int) -> bytes:
     return buf
 
 
-def _raw_nixl(nbytes: int, frag: int, repeat: int, workdir: Path) -> dict[str, Any]:
+def _raw_nixl(nbytes: int, frag: int, repeat: int, workdir: Path, gen_gpu: int = 1) -> dict[str, Any]:
     import numpy as np
 
     from kvd.transport import NixlAgent, Region
@@ -123,7 +128,7 @@ def _raw_nixl(nbytes: int, frag: int, repeat: int, workdir: Path) -> dict[str, A
     srv = socket.socket(socket.AF_UNIX)
     srv.bind(path)
     srv.listen(1)
-    proc = mp.get_context("spawn").Process(target=_raw_target, args=(path, nbytes))
+    proc = mp.get_context("spawn").Process(target=_raw_target, args=(path, nbytes, gen_gpu))
     proc.start()
     src = torch.full((nbytes,), 3, dtype=torch.uint8, device="cuda:0")
     agent = NixlAgent("raw-writer")
@@ -143,7 +148,7 @@ def _raw_nixl(nbytes: int, frag: int, repeat: int, workdir: Path) -> dict[str, A
             for _ in range(repeat + 1):
                 t0 = time.perf_counter()
                 h = agent.write(local, rem, remote, b"raw", local_mem="VRAM", remote_mem="VRAM",
-                                local_device=0, remote_device=1)
+                                local_device=0, remote_device=gen_gpu)
                 while agent.state(h) == "PROC":
                     pass
                 best = min(best, time.perf_counter() - t0)
@@ -161,12 +166,13 @@ def _raw_nixl(nbytes: int, frag: int, repeat: int, workdir: Path) -> dict[str, A
 
 
 def _e2e(workdir: Path, max_blocks: int, sizes: list[int], repeat: int, mapped: bool, chunk_mb: int,
-         bounce_mb: int, progress_thread: bool = False) -> dict[str, Any]:
+         bounce_mb: int, progress_thread: bool = False, busy_poll: str = "auto", gen_gpu: int = 1) -> dict[str, Any]:
     sub = workdir / ("mapped" if mapped else "nixl")
     sub.mkdir()
     ctx_d, gen_d = start_pair(sub, gen_tp=4, blocks=max_blocks, bounce_mb=bounce_mb, chunk_mb=chunk_mb,
-                              memory="auto", device=0, gen_device=1,
-                              extra_transfer={"mapped": mapped, "nixl_progress_thread": progress_thread})
+                              memory="auto", device=0, gen_device=gen_gpu,
+                              extra_transfer={"mapped": mapped, "nixl_progress_thread": progress_thread,
+                                              "busy_poll": busy_poll})
     by_order: dict[bool, dict[int, dict[str, Any]]] = {True: {}, False: {}}
     try:
         for n in sizes:
@@ -208,7 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="The GPT-OSS-120B ctx TP1 -> gen TP4 scenario on two GPUs: the contiguous-copy ceiling, then "
                     "end to end through the daemons (mapped path and NIXL bounce pipeline), per request size.",
     )
-    parser.add_argument("--device", default="cuda", help="cuda, the default (this benchmark needs two GPUs)")
+    parser.add_argument("--device", default="cuda", help="cuda, the default (two GPUs, or one with --gen-gpu 0)")
     parser.add_argument("--blocks", type=int, default=256, help="request size in blocks (2.25 MiB each; default 256)")
     parser.add_argument("--repeat", type=int, default=5, help="timed runs of each measurement, the best shown (default 5)")
     parser.add_argument("--chunk-mb", type=int, default=64, help="bounce chunk size in MiB (default 64)")
@@ -223,38 +229,50 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--nixl-progress-thread", action="store_true",
                         help="run both daemons' NIXL agents with their progress thread on (transfer.nixl_progress_thread; "
                              "default off)")
+    parser.add_argument("--gen-gpu", type=int, default=1,
+                        help="GPU of the four gen pools (default 1: ctx on GPU 0 -> gen on GPU 1 over NVLink; 0 runs "
+                             "everything on one GPU, every ratio then against a copy within that GPU)")
+    parser.add_argument("--busy-poll", choices=["auto", "on", "off"], default="auto",
+                        help="both daemons' transfer.busy_poll (spin while requests are pending; default auto: "
+                             "on with at least 8 usable cores)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``kvd bench transfer --device cuda``."""
     args = build_parser().parse_args(argv)
-    if torch.cuda.device_count() < 2:
-        print("kvd bench transfer --device cuda needs two GPUs")
+    g = args.gen_gpu
+    if g < 0 or torch.cuda.device_count() <= g:
+        print(f"kvd bench transfer --device cuda puts the gen pools on GPU {g}: this machine has "
+              f"{torch.cuda.device_count()} GPU(s) (--gen-gpu 0 runs everything on one GPU)")
         return 2
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     sizes = sorted({int(x) for x in args.sizes.split(",") if x} | {args.blocks})
     nbytes = args.blocks * BLOCK_BYTES
     workdir = Path(tempfile.mkdtemp(prefix="kvd-gbench-", dir="/tmp"))
     try:
-        ceiling = _contiguous_copy(nbytes, args.repeat)
+        ceiling = _contiguous_copy(nbytes, args.repeat, g)
         lat_sizes = [int(x) for x in args.latency_sizes.split(",") if x]
         lat = {name: latency.run(workdir, lat_sizes, args.latency_repeat, mapped=on, memory="auto", device=0,
-                                 gen_device=1)
+                                 gen_device=g, busy_poll=args.busy_poll)
                for name, on in (("mapped", True), ("nixl", False))} if lat_sizes else {}
         thread = args.nixl_progress_thread
-        mapped = _e2e(workdir, max(sizes), sizes, args.repeat, True, args.chunk_mb, args.bounce_mb, thread)
-        nixl = _e2e(workdir, max(sizes), sizes, args.repeat, False, args.chunk_mb, args.bounce_mb, thread)
+        mapped = _e2e(workdir, max(sizes), sizes, args.repeat, True, args.chunk_mb, args.bounce_mb, thread,
+                      args.busy_poll, g)
+        nixl = _e2e(workdir, max(sizes), sizes, args.repeat, False, args.chunk_mb, args.bounce_mb, thread,
+                    args.busy_poll, g)
         frag = GEOMETRY["tokens_per_block"] * GEOMETRY["head_dim"] * 2 * 2
-        raw = _raw_nixl(nbytes, frag, args.repeat, workdir)
-        kernel_alone = _kernel_alone(sizes, max(sizes), args.repeat)
+        raw = _raw_nixl(nbytes, frag, args.repeat, workdir, g)
+        kernel_alone = _kernel_alone(sizes, max(sizes), args.repeat, g)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     m, b = mapped["by_blocks"][args.blocks], nixl["by_blocks"][args.blocks]
     report: dict[str, Any] = {
         "scenario": {"geometry": GEOMETRY, "ctx_tp": 1, "gen_tp": 4, "blocks": args.blocks, "bytes": nbytes,
-                     "gpus": [torch.cuda.get_device_name(i) for i in range(2)], "chunk_mb": args.chunk_mb,
-                     "bounce_mb": args.bounce_mb, "nixl_progress_thread": args.nixl_progress_thread},
+                     "gpus": [torch.cuda.get_device_name(i) for i in sorted({0, g})], "gen_gpu": g,
+                     "chunk_mb": args.chunk_mb,
+                     "bounce_mb": args.bounce_mb, "nixl_progress_thread": args.nixl_progress_thread,
+                     "busy_poll": args.busy_poll, "usable_cpus": usable_cpus()},
         "contiguous_copy_gbps": ceiling,
         "latency": lat,
         "e2e_mapped": mapped,
@@ -280,9 +298,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
     else:
-        print(f"kvd bench transfer --device cuda: GPT-OSS-120B KV ctx TP1 (GPU0) -> gen TP4 (GPU1), "
+        print(f"kvd bench transfer --device cuda: GPT-OSS-120B KV ctx TP1 (GPU0) -> gen TP4 (GPU{g}), "
               f"{args.blocks} blocks = {nbytes / MiB:.0f} MiB, best of {args.repeat}")
-        print(f"  contiguous GPU0->GPU1 copy (ceiling)       {ceiling:8.1f} GB/s")
+        print(f"  contiguous GPU0->GPU{g} copy (ceiling)       {ceiling:8.1f} GB/s")
         print(f"  kvd end to end, mapped path                {m['gbps']:8.1f} GB/s   path={m['path']} verified={m['verified']} "
               f"round_trips={m.get('round_trips')}")
         print(f"  kvd end to end, NIXL bounce pipeline       {b['gbps']:8.1f} GB/s   path={b['path']} "

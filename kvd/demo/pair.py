@@ -184,8 +184,9 @@ class Scenario:
         for th in threads:
             th.start()
         t0 = time.perf_counter()
-        self.ctx.publish(request, "ctx0", self.ctx_layout, 0, self.ctx_ids, peer="gen")
-        results["ctx0"] = self.ctx.wait(request, timeout_s=timeout)
+        # registration and wait in one write, as a serving engine's executor would send them
+        results["ctx0"] = self.ctx.publish_and_wait(request, "ctx0", self.ctx_layout, 0, self.ctx_ids, peer="gen",
+                                                    timeout_s=timeout)
         wall = time.perf_counter() - t0
         for th in threads:
             th.join(timeout)

@@ -11,9 +11,11 @@ compared with :func:`hmac.compare_digest`.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import hmac
 import os
+import pwd
 import secrets
 import stat
 import struct
@@ -42,6 +44,15 @@ _DOMAIN = b"kvd-peer-auth-v1"
 Role = Literal["client", "server"]
 
 
+def _this_user() -> str:
+    """``user kvd (uid 998)``, or the uid alone where it has no name."""
+    uid = os.geteuid()
+    try:
+        return f"user {pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except KeyError:
+        return f"uid {uid}"
+
+
 def load_secret(path: str | os.PathLike[str]) -> bytes:
     """Read the shared secret; refuse a file others could read or that is not ours.
 
@@ -67,6 +78,13 @@ def load_secret(path: str | os.PathLike[str]) -> bytes:
         if exc.errno is not None and exc.errno == getattr(os, "ELOOP", -1):
             raise PermissionDenied(
                 f"peer secret file {p} is a symbolic link; point the config at the file"
+            ) from None
+        if exc.errno == errno.EACCES:
+            # the usual cause: created as root (the README's step) without the chown to kvd
+            raise PermissionDenied(
+                f"cannot open peer secret file {p}: {exc.strerror}; kvd runs as {_this_user()}: the file must be "
+                f"that user's, mode 600 (for the systemd unit: chown kvd:kvd {p}), and its directories "
+                "must let that user through"
             ) from None
         raise PermissionDenied(f"cannot open peer secret file {p}: {exc.strerror}") from None
     try:

@@ -115,7 +115,12 @@ class BlockAllocator:
             seen.add(i)
             holder = self._owner[i]
             if holder != session_id:
-                state = "it is free" if holder is None else "it is leased to another session"
+                # what to do, as well as why: a double free, an id never allocated, or a block of
+                # the executor next door all end here
+                state = ("it is free; name only ids alloc returned to this session and it has not freed since"
+                         if holder is None else
+                         "it is leased to another session; a session names only its own blocks (the "
+                         "executor that allocated them registers and frees them)")
                 raise BlockNotLeased(
                     f"pool {self.name!r}: block {i} is not leased to session {session_id}: {state}"
                 )

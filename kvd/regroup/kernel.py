@@ -29,7 +29,6 @@ path. ``KVD_KERNEL=0`` turns the kernel off; ``KVD_KERNEL_ARCH=sm_XY`` overrides
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import hashlib
 import math
 import os
@@ -340,6 +339,17 @@ class RegroupKernel:
         self._peers: dict[int, bool] = {}
         self._lock = threading.Lock()
         self._pool = self._table_pool(cu, device)
+        # the launch's parameters (table address, block tables' address, pairs) in one buffer
+        # of our own and an array of pointers to them, built once: cuLaunchKernel copies them
+        # when called, and building ctypes arguments per launch cost more host time than the
+        # launch (measured on the H200 host)
+        self._argvals = np.zeros(3, dtype=np.uint64)
+        base = self._argvals.__array_interface__["data"][0]
+        self._argptrs = np.array([base, base + 8, base + 16], dtype=np.uint64)
+        self._argptrs_addr = int(self._argptrs.__array_interface__["data"][0])
+        self._args_lock = threading.Lock()
+        #: completed events, recorded again by later launches (no create/destroy per launch)
+        self._events: list[Any] = []
 
     @staticmethod
     def _table_pool(cu: Any, device: int) -> Any:
@@ -402,29 +412,51 @@ class RegroupKernel:
             cu.cuCtxPopCurrent()
 
     def _enqueue(self, cu: Any, table: npt.NDArray[np.int64], npairs: int, ntiles: int, hs: Any) -> DriverEvent:
+        if table.dtype != np.int64 or not table.flags.c_contiguous:
+            raise KernelError("a launch table is a contiguous int64 array")
         nbytes = table.nbytes
         dptr = _check(cu.cuMemAllocFromPoolAsync(nbytes, self._pool, hs), "cuMemAllocFromPoolAsync")
         try:
-            _check(cu.cuMemcpyHtoDAsync(dptr, table.ctypes.data, nbytes, hs), "cuMemcpyHtoDAsync")
+            _check(cu.cuMemcpyHtoDAsync(dptr, table.__array_interface__["data"][0], nbytes, hs), "cuMemcpyHtoDAsync")
             if ntiles > 0:
                 gx = min(ntiles, 1 << 30)
                 gy = -(-ntiles // gx)
                 base = int(dptr)
-                args = ((base, base + npairs * NF * 8, npairs), (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int))
-                _check(cu.cuLaunchKernel(self._func, gx, gy, 1, THREADS, 1, 1, 0, hs, args, 0), "cuLaunchKernel")
+                with self._args_lock:  # (the int parameter reads the low 4 bytes of its slot)
+                    vals = self._argvals
+                    vals[0], vals[1], vals[2] = base, base + npairs * NF * 8, npairs
+                    _check(cu.cuLaunchKernel(self._func, gx, gy, 1, THREADS, 1, 1, 0, hs, self._argptrs_addr, 0),
+                           "cuLaunchKernel")
         finally:
             _check(cu.cuMemFreeAsync(dptr, hs), "cuMemFreeAsync")
-        return DriverEvent(self.ctx, hs)
+        return DriverEvent(self.ctx, hs, self._events)
+
+
+#: Completed events a kernel keeps for reuse (more are destroyed).
+EVENT_POOL = 64
 
 
 class DriverEvent:
-    """A CUDA event recorded on a stream; :meth:`query` never blocks (``cuEventQuery``)."""
+    """A CUDA event recorded on a stream; :meth:`query` never blocks (``cuEventQuery``).
+    ``pool``: completed events of the recording context, taken from and given back to it."""
 
-    def __init__(self, ctx: Any, stream: Any) -> None:
+    def __init__(self, ctx: Any, stream: Any, pool: list[Any] | None = None) -> None:
         cu = _driver()
-        self._ev: Any = _check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
+        self._pool = pool
+        ev = None
+        if pool:
+            with contextlib.suppress(IndexError):  # another thread took the last one
+                ev = pool.pop()
+        if ev is None:
+            ev = _check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
+        self._ev: Any = ev
         self._ctx = ctx
-        _check(cu.cuEventRecord(self._ev, stream), "cuEventRecord")
+        try:
+            _check(cu.cuEventRecord(self._ev, stream), "cuEventRecord")
+        except BaseException:
+            self._pool = None  # never give back an event in an unknown state
+            self._destroy()
+            raise
 
     def query(self) -> bool:
         """True once the work before the event has finished."""
@@ -435,6 +467,8 @@ class DriverEvent:
         err = res[0] if isinstance(res, tuple) else res
         if err == cu.CUresult.CUDA_ERROR_NOT_READY:
             return False
+        if err != cu.CUresult.CUDA_SUCCESS:
+            self._pool = None  # a failed event is destroyed, never reused
         _check(res, "cuEventQuery")  # a launch failure surfaces here
         self._destroy()
         return True
@@ -442,12 +476,22 @@ class DriverEvent:
     def synchronize(self) -> None:
         """Block until the work before the event has finished."""
         if self._ev is not None:
-            _check(_driver().cuEventSynchronize(self._ev), "cuEventSynchronize")
+            res = _driver().cuEventSynchronize(self._ev)
+            err = res[0] if isinstance(res, tuple) else res
+            if err != _driver().CUresult.CUDA_SUCCESS:
+                self._pool = None  # a failed event is destroyed, never reused
+            _check(res, "cuEventSynchronize")
             self._destroy()
 
     def _destroy(self) -> None:
+        """Called once the event completed (or failed): back to the pool, else destroyed."""
         ev, self._ev = self._ev, None
-        if ev is not None:
+        if ev is None:
+            return
+        pool, self._pool = self._pool, None
+        if pool is not None and len(pool) < EVENT_POOL:
+            pool.append(ev)
+        else:
             _driver().cuEventDestroy(ev)
 
     def __del__(self) -> None:

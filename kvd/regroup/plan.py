@@ -318,6 +318,29 @@ def _check_blocks(side: str, layout: KVLayout, blocks: Mapping[int, Iterable[int
     return out
 
 
+@dataclass(frozen=True)
+class CheckedBlocks:
+    """One side's ``{rank: block ids}`` already validated against ``layout`` (int64 arrays), for
+    :func:`plan`: a side known before the request completes (gen's announced destination) is
+    checked when it arrives, and the planner skips that work on the critical path."""
+
+    layout: KVLayout
+    arrays: dict[int, Int64Array]
+
+
+def check_blocks(side: str, layout: KVLayout, blocks: Mapping[int, Iterable[int]]) -> CheckedBlocks:
+    """Validate one side (``side``: "ctx" or "gen") as :func:`plan` does; raises the same errors."""
+    return CheckedBlocks(layout, _check_blocks(side, layout, blocks))
+
+
+def _blocks_of(side: str, layout: KVLayout, blocks: Mapping[int, Iterable[int]] | CheckedBlocks) -> dict[int, Int64Array]:
+    if isinstance(blocks, CheckedBlocks):
+        if blocks.layout is layout or blocks.layout == layout:
+            return blocks.arrays
+        return _check_blocks(side, layout, blocks.arrays)  # checked against another layout: again
+    return _check_blocks(side, layout, blocks)
+
+
 def _sources(
     ctx: KVLayout, ctx_ranks: Iterable[int], stage: int, heads: tuple[int, int], dst_tp: int
 ) -> list[tuple[int, int, int]]:
@@ -443,8 +466,8 @@ PLAN_CACHE_SIZE = 512
 def plan(
     ctx: KVLayout,
     gen: KVLayout,
-    ctx_blocks: Mapping[int, Sequence[int] | Int64Array],
-    gen_blocks: Mapping[int, Sequence[int] | Int64Array],
+    ctx_blocks: Mapping[int, Sequence[int] | Int64Array] | CheckedBlocks,
+    gen_blocks: Mapping[int, Sequence[int] | Int64Array] | CheckedBlocks,
 ) -> Plan:
     """Plan moving one request's KV from the ctx layout to the gen layout.
 
@@ -452,15 +475,16 @@ def plan(
     0th, 1st, ... block in that rank's pool. Non-attention-DP layouts must name every rank;
     attention-DP layouts name the DP rank(s) the request lives on (ctx: exactly one per PP
     stage; gen: one or more, each gets all heads). All ranks of a side hold the same number of
-    blocks.
+    blocks. Either side may be given as :class:`CheckedBlocks` (validated earlier, by
+    :func:`check_blocks`, against the same layout).
 
     Raises :class:`IncompatibleLayout` when the layouts cannot be regrouped into each other
     (different num_layers / num_kv_heads / head_dim / dtype, or tokens_per_block where neither
     divides the other) and :class:`BadRequest` for bad block ids or rank sets.
     """
     _compatible(ctx, gen)
-    cb = _check_blocks("ctx", ctx, ctx_blocks)
-    gb = _check_blocks("gen", gen, gen_blocks)
+    cb = _blocks_of("ctx", ctx, ctx_blocks)
+    gb = _blocks_of("gen", gen, gen_blocks)
     n_ctx = next(iter(cb.values())).size
     n_gen = next(iter(gb.values())).size
     shape = _shape(ctx, gen, tuple(cb), tuple(gb), n_ctx, n_gen)

@@ -123,11 +123,29 @@ async def kernel_done(k: KernelLaunch, timings: dict[str, float] | None = None) 
     hears it ended); returns the bytes moved."""
     await until_done([(c.done, c.nbytes) for c in k.completions])
     mark("gpu done")
+    _record_timings(k, timings)
+    return k.nbytes
+
+
+def kernel_done_now(k: KernelLaunch, timings: dict[str, float] | None = None) -> bool:
+    """Whether every launch of ``k`` has completed, without waiting (a failed launch raises,
+    as :func:`kernel_done` does); the timings are recorded when it has. A failed launch reads
+    as not done: :func:`kernel_done` waits for the others, then raises it."""
+    try:
+        if not all(c.done() for c in k.completions):
+            return False
+    except Exception:
+        return False
+    mark("gpu done")
+    _record_timings(k, timings)
+    return True
+
+
+def _record_timings(k: KernelLaunch, timings: dict[str, float] | None) -> None:
     if timings is not None:
         timings.update({"gpu_enqueue_s": round(k.enqueue_s, 6),
                         "gpu_wait_s": round(time.perf_counter() - k.enqueued_at, 6),
                         "gpu_kernel_launches": len(k.completions), "gpu_kernel_pull": int(k.launch_on == "dst")})
-    return k.nbytes
 
 
 async def until_done(work: list[tuple[Callable[[], bool], int]], bps: float = KERNEL_LINK_BPS) -> None:

@@ -27,7 +27,7 @@ import trio
 
 from kvd.ops.logctx import bind_request_id, unbind_request_id
 from kvd.ops.steptrace import mark
-from kvd.regroup.plan import Plan, plan
+from kvd.regroup.plan import CheckedBlocks, Plan, check_blocks, plan
 from kvd.transfer.paths import bounce, direct, fragment, local, mapped
 from kvd.transfer.paths.base import Job, Sent
 from kvd.transfer.requests import Side
@@ -132,6 +132,17 @@ class _Remote:
     chunking: str = ""  # gen's bounce chunk layout (x.CHUNKING_RANGES; "" = an older daemon)
     chunk_bytes: int = 0  # ctx's bounce chunk size (0 = an older daemon)
     credits: str = ""  # how ctx takes bounce credits (x.CREDITS_NOTIF; "" = XferGrant messages)
+    # ``blocks`` validated against ``layout`` when the destination arrived (before the request
+    # completed here): the planner then skips that work. None: not checked (the planner does).
+    checked: CheckedBlocks | None = None
+
+    def set_side(self, layout: KVLayout, blocks: dict[int, list[int]], *, check: bool = False) -> None:
+        """The peer's layout and blocks; ``check``: validate them now, off the critical path
+        (a bad destination is left for the planner, which refuses it where it always has)."""
+        self.layout, self.blocks, self.checked = layout, blocks, None
+        if check:
+            with contextlib.suppress(KvdError):
+                self.checked = check_blocks("gen", layout, blocks)
 
 
 class _Progress:
@@ -141,9 +152,12 @@ class _Progress:
         self.t, self.role, self.side = t, role, side
 
     def posted(self, n: int = 1) -> None:
+        self.check()
+        self.t.feed(f.WritePosted(self.role, n))
+
+    def check(self) -> None:
         if self.t.machine.state(self.role) is f.State.ABORTING:
             raise TransferCancelled(f"request {self.t.request_id!r}: aborted, no new write")
-        self.t.feed(f.WritePosted(self.role, n))
 
     def ended(self, n: int = 1) -> None:
         self.t.feed(f.WriteEnded(self.role, n))
@@ -470,11 +484,11 @@ class Transfer:
     def _on_message(self, msg: x.XferMessage) -> None:
         r = self.remote
         if isinstance(msg, x.XferOffer):
-            r.layout, r.blocks = msg.layout, dict(msg.blocks)
+            r.set_side(msg.layout, dict(msg.blocks))
             self.feed(f.OfferReceived(f.Role.CTX, deadline=self._deadline(msg.deadline_s)))
         elif isinstance(msg, x.XferAccept | x.XferAnnounce):
             announced = isinstance(msg, x.XferAnnounce)
-            r.layout, r.blocks = msg.layout, dict(msg.blocks)
+            r.set_side(msg.layout, dict(msg.blocks), check=announced)
             r.pools, r.pool_names = dict(msg.pools), dict(msg.pool_names)
             r.chunking = msg.chunking
             if not announced:
@@ -488,7 +502,7 @@ class Transfer:
             if path is None:
                 raise RemoteProtocolError(f"unknown path {msg.path!r}")
             if msg.layout is not None:
-                r.layout, r.blocks = msg.layout, dict(msg.blocks)
+                r.set_side(msg.layout, dict(msg.blocks))
             r.chunk_bytes, r.credits = msg.chunk_bytes, msg.credits
             self.feed(f.PathReceived(f.Role.CTX, path))
         elif isinstance(msg, x.XferGrant):
@@ -830,7 +844,8 @@ class Transfer:
         if maps is None or blocks > INLINE_PLAN_BLOCKS:
             return False
         side, link = self._send_started()
-        self._plan = p = plan(side.layout, self._remote_layout(), side.blocks_by_rank(), self.remote.blocks)
+        gen_blocks = self.remote.checked or self.remote.blocks  # checked when announced
+        self._plan = p = plan(side.layout, self._remote_layout(), side.blocks_by_rank(), gen_blocks)
         for s in self.sides.values():
             s.bytes_total = p.total_bytes()
         job = self._send_job(side, link, p)
@@ -850,19 +865,26 @@ class Transfer:
 
     def _launch_now(self, job: Job, link: PeerLink, p: Plan, maps: dict[int, Any]) -> bool:
         """GPU pools: the regroup kernel is launched in this step (the bytes start moving before
-        the event loop turns again) and a task only waits for its completion; when the kernel
-        cannot be launched so (not loaded yet, copy engines, pools it cannot reach), the data
-        task does everything, as for any other request."""
+        the event loop turns again). A small request's kernel is usually done by the time the
+        path message is out: then this step reports it too (data-done to gen, the executors'
+        replies), else a task waits for its completion. When the kernel cannot be launched so
+        (not loaded yet, copy engines, pools it cannot reach), the data task does everything,
+        as for any other request."""
         _map_into(job, maps)
-        finish = mapped.launch_now(job)
-        if finish is None:
+        run = mapped.launch_now(job)
+        if run is None:
             job.dst, job.mapped = {}, {}
             return self._send_rest_as_task(job, link, p)
         job.stages["gpu_launch_inline"] = 1  # (the transfer.done line says how it started)
         self.feed(f.PathChosen(f.Role.CTX, f.Path.MAPPED))
+        sent = run.finish_now()
+        if sent is not None:
+            job.stages["gpu_done_inline"] = 1
+            self._sent(self.sides[f.Role.CTX], sent)
+            return True
 
         async def body() -> None:
-            self._sent(self.sides[f.Role.CTX], await finish())
+            self._sent(self.sides[f.Role.CTX], await run.finish())
 
         self._start(partial(self._guarded, f.Role.CTX, body))
         return True

@@ -150,3 +150,36 @@ async def test_gpu_mapped_request_launches_in_the_completing_step(
     assert done[0]["stages"].get("gpu_launch_inline") == 1, done[0]
     assert done[0]["round_trips"] == (0 if announce else 1), done[0]
     assert done[0]["stages"]["gpu_kernel_launches"] == 1
+
+
+def test_kernel_done_now_reports_a_launch_only_once_it_completed() -> None:
+    """The publish step reports a small request's kernel itself when it has already finished
+    (``movers.kernel_done_now``): never before the kernel's bytes landed. The launch queues
+    behind ~0.5 s of matrix products, so the first look must say "not yet" and record nothing;
+    after the stream drains it says done, records the GPU figures, and the bytes are exact."""
+    from kvd.regroup.kernel import kernel_available
+    from kvd.transfer.movers import kernel_done_now, launch_kernel
+    from tests.bounce_harness import plan_of
+
+    ctx, gen = KVLayout(**GEO), KVLayout(**{**GEO, "tp_size": 4})  # type: ignore[arg-type]
+    p = plan_of(ctx, gen, 16)
+    src = {0: torch.randint(0, 256, (p.ctx.pool_bytes(0),), dtype=torch.uint8, device="cuda:0")}
+    dst = {r: torch.zeros(p.gen.pool_bytes(r), dtype=torch.uint8, device="cuda:0") for r in range(4)}
+    assert kernel_available(0)  # loaded first: loading a module waits for an idle device
+    stream = torch.cuda.Stream(0)  # type: ignore[no-untyped-call]
+    busy = torch.randn(8192, 8192, device="cuda:0")
+    torch.cuda.synchronize()
+    timings: dict[str, float] = {}
+    with torch.cuda.stream(stream):
+        for _ in range(40):
+            busy = busy @ busy.T / 8192
+        launched = launch_kernel(p, src, dst, launch_on="src")  # on the current stream: behind them
+    assert not kernel_done_now(launched, timings)
+    assert timings == {}
+    stream.synchronize()
+    assert kernel_done_now(launched, timings)
+    assert timings["gpu_kernel_launches"] == 1 and timings["gpu_wait_s"] > 0
+    want = {r: torch.zeros(p.gen.pool_bytes(r), dtype=torch.uint8) for r in range(4)}
+    p.apply({0: src[0].cpu()}, want)
+    for r in range(4):
+        assert torch.equal(dst[r].cpu(), want[r]), r

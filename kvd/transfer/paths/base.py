@@ -19,6 +19,10 @@ class Progress(Protocol):
     def posted(self, n: int = 1) -> None:
         """``n`` writes into gen memory are about to start."""
 
+    def check(self) -> None:
+        """Raise :class:`~protocol.errors.TransferCancelled` if the transfer is aborting: a
+        write announced earlier (:meth:`posted`) must not start now."""
+
     def ended(self, n: int = 1) -> None:
         """``n`` writes reached a final state (completed, or aborted and confirmed)."""
 

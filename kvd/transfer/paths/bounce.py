@@ -19,8 +19,9 @@ gen (:class:`Receiver`), per notification: the scatter kernel from the receive s
 destination GPU, completion polled the same way; the slot then goes back to ctx as a credit
 (:class:`Credits`: a NIXL notification when ctx asked for them, else an ``XferGrant`` message).
 
-Every write is announced (``posted``) right before it is posted and ends (``ended``) once
-NIXL confirmed or aborted it; gathers and scatters are counted the same way, and one already
+Every write is announced (``posted``) with its chunk's gather, checked again right before it
+is posted (an aborting transfer starts no write), and ends (``ended``) once NIXL confirmed or
+aborted it; gathers and scatters are counted the same way, and one already
 launched is waited for even when the transfer is cancelled (a launched kernel cannot be
 stopped: a slot goes back, and a side reports, only once the kernel writing it is done).
 """
@@ -182,16 +183,14 @@ async def send(job: Job, chs: list[ChunkRange], chunk_bytes: int, first_slot: in
 
     async def write(seq: int, ch: ChunkRange, local_slot: int, remote_slot: int,
                     gathered: regroup_apply.Completion) -> None:
-        # the gather and its write end together, in one report (one event for the transfer
-        # per chunk fewer): the gather has ended by then, the write too, or it never started
-        ending = 1  # the gather
+        # the gather and its write were announced together (posted(2)) and end together, in
+        # one report: the gather has ended by then, the write too, or it never started
         try:
             await await_completion(gathered)
             n = write_bytes(ch.nbytes, cap)
             local, remote = lists(n)
             notif = x.encode_notif(x.Notif(rid, seq, remote_slot))
-            job.progress.posted()  # raises once the transfer is aborting: no write after failure
-            ending = 2
+            job.progress.check()  # raises once the transfer is aborting: no write after failure
             # a handle per (send slot, receive slot, length), reposted: no make/release per
             # chunk. A small host write is posted inline: there the post is the copy, and a
             # copy of a few MiB costs less than a worker-thread hop (as the gathers do)
@@ -200,7 +199,7 @@ async def send(job: Job, chs: list[ChunkRange], chunk_bytes: int, first_slot: in
             job.progress.moved(ch.nbytes)
         finally:
             slots.release(owner, local_slot)
-            job.progress.ended(ending)
+            job.progress.ended(2)
 
     async with trio.open_nursery() as writers:
         for seq, ch in enumerate(chs):
@@ -215,13 +214,14 @@ async def send(job: Job, chs: list[ChunkRange], chunk_bytes: int, first_slot: in
             pool = job.src[ch.src]
             try:
                 # a gather is counted as a write: the transfer reports (and its staging slots go
-                # to other transfers) only once every launched gather has ended
-                job.progress.posted()
+                # to other transfers) only once every launched gather has ended. The chunk's
+                # NIXL write is announced with it (one report to the transfer per chunk, not two)
+                job.progress.posted(2)
                 try:
                     gathered = await _stage(regroup_apply.gather_chunk, p, ch, pool.tensor_u8(),
                                             staging.slot_tensor(local_slot), device=pool.device if gpu else None)
                 except BaseException:
-                    job.progress.ended()
+                    job.progress.ended(2)
                     raise
             except BaseException:
                 slots.release(owner, local_slot)

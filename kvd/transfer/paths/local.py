@@ -8,15 +8,23 @@ regroup (small host requests on the event loop, the rest in a worker thread).
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Literal
 
 import torch
 import trio
 
-from kvd.transfer.movers import INLINE_BYTES, kernel_done, kernels_loaded, launch_kernel, regroup_into
+from kvd.transfer.movers import (
+    INLINE_BYTES,
+    KernelLaunch,
+    kernel_done,
+    kernel_done_now,
+    kernels_loaded,
+    launch_kernel,
+    regroup_into,
+)
 from kvd.transfer.paths.base import Job, Sent
+from protocol.errors import InternalError
 
 
 def fits_inline(job: Job) -> bool:
@@ -59,30 +67,61 @@ async def kernel_side(job: Job) -> Literal["src", "dst"] | None:
     return where if await kernels_loaded(need) else None
 
 
+class KernelRun:
+    """A request's regroup kernel, launched: :meth:`finish` awaits its CUDA events and reports
+    the bytes; :meth:`finish_now` does the same without awaiting when the events have already
+    completed (a small request's kernel is done in microseconds: the launching step can report
+    it at once instead of handing it to a task)."""
+
+    def __init__(self, job: Job, launched: KernelLaunch) -> None:
+        self.job = job
+        self.launched = launched
+        self._over = False
+
+    def finish_now(self) -> Sent | None:
+        """The bytes, if every launch has completed (a failed one raises); else None."""
+        if not kernel_done_now(self.launched, self.job.stages):
+            return None
+        return self._end()
+
+    async def finish(self) -> Sent:
+        """Wait for every launch (even when cancelled: see :func:`kernel_done`); the bytes."""
+        if self._over:
+            raise InternalError("kernel run reported twice")
+        try:
+            await kernel_done(self.launched, self.job.stages)
+        except BaseException:
+            self._ended()
+            raise
+        return self._end()
+
+    def _ended(self) -> None:
+        if not self._over:
+            self._over = True
+            self.job.progress.ended()
+
+    def _end(self) -> Sent:
+        self._ended()
+        nbytes = self.launched.nbytes
+        self.job.progress.moved(nbytes, len(self.job.plan.pairs()))
+        return Sent(writes=0, chunks=len(self.job.plan.src_ranks()), nbytes=nbytes)
+
+
 def start_kernel(job: Job, src: dict[int, torch.Tensor], dst: dict[int, torch.Tensor],
-                 where: Literal["src", "dst"]) -> Callable[[], Awaitable[Sent]]:
+                 where: Literal["src", "dst"]) -> KernelRun:
     """Launch the request's regroup kernel now (flat-byte ``src`` pools into flat-byte ``dst``
     pools, launched on the ``where`` side), counted as a posted write before it is enqueued, so
     a failure or cancel meanwhile waits for it before anyone hears the request ended. Returns
-    what waits for the launches' CUDA events and reports the bytes (the local and mapped paths
-    await it at once; the mapped path's publish-step launch hands it to a task)."""
-    p = job.plan
+    the launched run: the local and mapped paths await :meth:`KernelRun.finish` at once; the
+    mapped path's publish-step launch first tries :meth:`KernelRun.finish_now`, then hands
+    ``finish`` to a task."""
     job.progress.posted()
     try:
-        launched = launch_kernel(p, src, dst, launch_on=where)
+        launched = launch_kernel(job.plan, src, dst, launch_on=where)
     except BaseException:
         job.progress.ended()  # nothing of it is running (launch_kernel waited for what it enqueued)
         raise
-
-    async def finish() -> Sent:
-        try:
-            nbytes = await kernel_done(launched, job.stages)
-        finally:
-            job.progress.ended()
-        job.progress.moved(nbytes, len(p.pairs()))
-        return Sent(writes=0, chunks=len(p.src_ranks()), nbytes=nbytes)
-
-    return finish
+    return KernelRun(job, launched)
 
 
 async def send(job: Job) -> Sent:
@@ -92,7 +131,7 @@ async def send(job: Job) -> Sent:
     where = await kernel_side(job)
     if where is not None:
         return await start_kernel(job, {r: pool.tensor_u8() for r, pool in job.src.items()},
-                                  {r: _flat_bytes(t) for r, t in job.dst.items()}, where)()
+                                  {r: _flat_bytes(t) for r, t in job.dst.items()}, where).finish()
     src = {r: pool.tensor() for r, pool in job.src.items()}
     move = partial(regroup_into, p, src, job.dst, gpu_chunk_bytes=job.gpu_chunk_bytes,
                    chunk_bytes=job.chunk_bytes, timings=job.stages)

@@ -10,7 +10,6 @@ memory, the local path's movers.
 from __future__ import annotations
 
 import os
-from collections.abc import Awaitable, Callable
 from typing import Any, Literal
 
 import numpy as np
@@ -78,12 +77,12 @@ async def launch_side(job: Job) -> Literal["src", "dst"] | None:
     return where if await kernels_loaded(need) else None
 
 
-def launch_now(job: Job) -> Callable[[], Awaitable[Sent]] | None:
+def launch_now(job: Job) -> local.KernelRun | None:
     """Launch the request's regroup kernel now, in the caller's step (the executor's publish),
     when that needs no waiting: GPU pools, the kernel already loaded on every device it needs,
-    and not a copy-engine request. Returns what awaits the launches' completion and reports
-    them (a task runs it: the kernel's bytes land while the event loop goes on); None: nothing
-    done, use :func:`send`. The launch counts as a posted write (:func:`local.start_kernel`)."""
+    and not a copy-engine request. Returns the launched run (its ``finish_now`` reports it in
+    the caller's step if it is already done, else a task awaits its ``finish``: the kernel's
+    bytes land while the event loop goes on); None: nothing done, use :func:`send`. The launch counts as a posted write (:func:`local.start_kernel`)."""
     from kvd.regroup import kernel as regroup_kernel_mod
 
     placed = _placement(job)
@@ -95,7 +94,7 @@ def launch_now(job: Job) -> Callable[[], Awaitable[Sent]] | None:
     return _start_kernel(job, where)
 
 
-def _start_kernel(job: Job, where: Literal["src", "dst"]) -> Callable[[], Awaitable[Sent]]:
+def _start_kernel(job: Job, where: Literal["src", "dst"]) -> local.KernelRun:
     """The kernel from the source pools into the mapped pools (:func:`local.start_kernel`)."""
     return local.start_kernel(job, {r: pool.tensor_u8() for r, pool in job.src.items()},
                               {r: mp.raw for r, mp in job.mapped.items()}, where)
@@ -117,7 +116,7 @@ async def send(job: Job) -> Sent:
         return await local.send(job)
     runs = copy_engine_runs(job.plan)
     if runs is None:
-        return await _start_kernel(job, where)()
+        return await _start_kernel(job, where).finish()
     job.progress.posted()
     try:
         devices = {(s, d): (job.src[s].device, job.mapped[d].device) if where == "src"

@@ -1,0 +1,84 @@
+"""What an executor's client says when it cannot do what it was asked: a socket it cannot
+reach (nothing there, the configuration file given instead, a daemon that is gone), and a
+blocking ``wait`` longer than the ``Client``'s own ``timeout``. Real sockets, a real daemon."""
+
+from __future__ import annotations
+
+import re
+import socket
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from clients import Client, open_client
+from kvd.demo.launch import DaemonProcess
+from protocol.errors import ConnectionClosed, WaitTimeout
+
+GIVE = "Give its socket with Client(path) / open_client(path) or KVD_SOCKET (default /run/kvd/kvd.sock)"
+
+
+def _unreachable(tmp: Path, kind: str) -> tuple[str, str]:
+    """A socket path no daemon answers on, and what the client must say about it."""
+    if kind == "missing":
+        return str(tmp / "kvd.sock"), f"No such file or directory; is kvd running with this socket_path? {GIVE}"
+    if kind == "config-file":
+        path = tmp / "kvd.toml"
+        path.write_text('socket_path = "kvd.sock"\n')
+        return str(path), (f"Connection refused; {path} is not a socket: give the daemon's socket_path (from its "
+                           "configuration, e.g. /run/kvd/kvd.sock), not its configuration file, with "
+                           "Client(path) / open_client(path) or KVD_SOCKET")
+    stale = socket.socket(socket.AF_UNIX)  # what a killed daemon leaves behind: bound, not listening
+    stale.bind(str(tmp / "stale.sock"))
+    stale.close()
+    return str(tmp / "stale.sock"), "Connection refused; a socket file is there but no daemon answers"
+
+
+@pytest.mark.parametrize("kind", ["missing", "config-file", "stale"])
+def test_blocking_client_says_what_to_check(short_tmp: Path, kind: str) -> None:
+    path, said = _unreachable(short_tmp, kind)
+    with pytest.raises(ConnectionClosed) as caught:
+        Client(path, client="t")
+    assert str(caught.value).startswith(f"[connection_closed] cannot connect to kvd at {path}: {said}")
+
+
+def test_blocking_client_names_the_socket_it_took_from_the_environment(
+        short_tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = str(short_tmp / "from-env.sock")
+    monkeypatch.setenv("KVD_SOCKET", path)
+    with pytest.raises(ConnectionClosed, match=re.escape(f"cannot connect to kvd at {path}: No such file")):
+        Client(client="t")
+
+
+@pytest.mark.parametrize("kind", ["missing", "config-file", "stale"])
+async def test_async_client_says_what_to_check(short_tmp: Path, kind: str) -> None:
+    path, said = _unreachable(short_tmp, kind)
+    with pytest.raises(ConnectionClosed) as caught:
+        async with open_client(path, client="t"):
+            pass
+    assert str(caught.value).startswith(f"[connection_closed] cannot connect to kvd at {path}: {said}")
+
+
+def test_a_wait_longer_than_the_client_timeout_is_a_wait_timeout(
+        daemon_factory: Callable[..., DaemonProcess]) -> None:
+    """``Client(timeout=3)`` and ``wait(timeout_s=5)``: the daemon answers the wait after 5 s
+    (WaitTimeout, the request goes on). The client used to give up after 3 s with
+    "connection to the daemon broke: timed out", although nothing had broken."""
+    d = daemon_factory(name="waits")
+    with Client(d.socket_path, client="gen-rank0", timeout=3) as kvd:
+        layout = kvd.pools()[0].layout
+        assert layout is not None
+        ids = kvd.alloc("host0", 2)
+        kvd.expect("never-published", "host0", layout, 0, ids, deadline_s=600)
+        with pytest.raises(WaitTimeout, match=r"still running after wait timeout 5\.0s; it goes on"):
+            kvd.wait("never-published", timeout_s=5)
+        # the same session goes on, with its own timeout back for the other calls
+        assert kvd.ping(b"still here") == b"still here"
+        [info] = [t for t in kvd.transfers() if t.request_id == "never-published"]
+        assert info.state not in ("done", "failed")
+        # registration and wait in one go are given the same patience
+        with pytest.raises(WaitTimeout, match=r"after wait timeout 4\.0s"):
+            kvd.expect_and_wait("also-never", "host0", layout, 0, kvd.alloc("host0", 2), deadline_s=600,
+                                timeout_s=4)
+        kvd.cancel("never-published")
+        kvd.cancel("also-never")
