@@ -71,10 +71,14 @@ class Counts:
     on_moved: Callable[[int], None] | None = None
     ended_event: trio.Event = field(default_factory=trio.Event)
     want_ended: int = -1
+    chunks_planned: int = 0
 
     def posted(self, n: int = 1) -> None:
         self.check()
         self.n_posted += n
+
+    def planned(self, chunks: int) -> None:
+        self.chunks_planned = chunks
 
     def check(self) -> None:
         if self.stop:

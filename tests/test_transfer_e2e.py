@@ -98,3 +98,22 @@ async def test_same_node_mapped_path(case: str, daemon_factory: Factory, short_t
     for c in [*out.ctx.values(), *out.gen.values()]:
         assert c.ok and c.path == "mapped", c
     assert '"peer.pools_mapped"' in pair.ctx.log()
+
+
+async def test_the_direct_path_says_how_many_writes_it_planned(
+        daemon_factory: Factory, short_tmp: Path) -> None:
+    """The NIXL write paths (direct; fragment shares its writer) tell the transfer how many
+    writes they will make (what ``kvctl transfers`` shows progress against): after the
+    request, the ctx side's chunks_total equals the writes that landed. Equal layouts go
+    direct, one write per descs_per_write merged runs; 2 descriptors a write forces several."""
+    from clients import open_client
+
+    ctx = gen = L(tp_size=2)
+    pair = start_pair(daemon_factory, short_tmp, ctx, gen, transfer={"descs_per_write": 2})
+    out = await run_transfer(pair, ctx, gen, request_id="req-writes", blocks=8)
+    assert_exact(out, gen)
+    async with open_client(pair.ctx.socket_path) as c:
+        rows = [t for t in await c.transfers() if t.request_id == "req-writes"]
+    assert rows and all(t.path == "direct" for t in rows)
+    for t in rows:
+        assert t.chunks_total >= 1 and t.chunks_total == t.chunks_done, t

@@ -141,6 +141,9 @@ class Plan:
         self.ctx_offsets: dict[int, Int64Array] = {}
         self.gen_offsets: dict[int, Int64Array] = {}
         self._copiers: dict[tuple[int, int], FragmentCopier] = {}
+        # asked several times per request on the daemon's hot path: computed once
+        self._total: int | None = None
+        self._direct: bool | None = None
 
     def __repr__(self) -> str:
         return (
@@ -179,13 +182,18 @@ class Plan:
 
     def total_bytes(self, s: int | None = None, d: int | None = None) -> int:
         """Bytes moved, over all pairs or those with the given src and/or dst rank."""
+        if s is None and d is None and self._total is not None:
+            return self._total
         # a pair moves its box (layers x K/V x heads x head_dim) for every token of the request
         per_token = 2 * self.ctx.head_dim * self.ctx.itemsize
-        return sum(
+        total = sum(
             (b.layers[1] - b.layers[0]) * (b.heads[1] - b.heads[0]) * per_token * self.num_tokens
             for (ps, pd), b in self._boxes.items()
             if (s is None or ps == s) and (d is None or pd == d)
         )
+        if s is None and d is None:
+            self._total = total
+        return total
 
     def num_fragments(self, s: int | None = None, d: int | None = None) -> int:
         """Fragments, over all pairs or those with the given src and/or dst rank."""
@@ -216,7 +224,9 @@ class Plan:
     @property
     def direct(self) -> bool:
         """True when every pair is direct (equal layouts): whole blocks move, no regroup."""
-        return bool(self._pairs) and all(self.is_direct(s, d) for s, d in self._pairs)
+        if self._direct is None:
+            self._direct = bool(self._pairs) and all(self.is_direct(s, d) for s, d in self._pairs)
+        return self._direct
 
     # -- execution -------------------------------------------------------------------------
     def apply(self, src_pools: Mapping[int, Pool], dst_pools: Mapping[int, Pool]) -> None:

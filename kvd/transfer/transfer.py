@@ -155,6 +155,10 @@ class _Progress:
         self.check()
         self.t.feed(f.WritePosted(self.role, n))
 
+    def planned(self, chunks: int) -> None:
+        if self.side is not None:
+            self.side.chunks_total = chunks
+
     def check(self) -> None:
         if self.t.machine.state(self.role) is f.State.ABORTING:
             raise TransferCancelled(f"request {self.t.request_id!r}: aborted, no new write")

@@ -19,6 +19,10 @@ class Progress(Protocol):
     def posted(self, n: int = 1) -> None:
         """``n`` writes into gen memory are about to start."""
 
+    def planned(self, chunks: int) -> None:
+        """The path will move the request in ``chunks`` chunks (NIXL writes, bounce chunks):
+        what ``kvctl transfers`` shows progress against."""
+
     def check(self) -> None:
         """Raise :class:`~protocol.errors.TransferCancelled` if the transfer is aborting: a
         write announced earlier (:meth:`posted`) must not start now."""

@@ -29,10 +29,11 @@ async def write_fragments(job: Job, frags_of: dict[tuple[int, int], Int64Array])
     assert job.nixl is not None
     seq = 0
     nbytes_total = 0
+    step = max(1, job.descs_per_write)
+    job.progress.planned(sum(-(-len(frags) // step) for frags in frags_of.values()))
     for (s, d), frags in frags_of.items():
         src_pool = job.src[s]
         dst = job.remote_pools[d]
-        step = max(1, job.descs_per_write)
         for lo in range(0, len(frags), step):
             part = frags[lo : lo + step]
             local = np.stack([part[:, 0] + src_pool.ptr, part[:, 2]], axis=1)
