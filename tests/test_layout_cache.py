@@ -116,3 +116,14 @@ def test_the_match_cache_is_bounded() -> None:
         assert req.check_pool_matches(pool, layout, 1).num_blocks == 8
         assert len(req._MATCHED) <= req.MATCHED_CACHE_SIZE
         pool.close()
+
+
+def test_a_layout_that_cannot_be_hashed_is_checked_without_the_cache() -> None:
+    """A layout built in Python with a list (decoded ones hold tuples) is checked as always."""
+    pool = _pool()
+    listed = KVLayout(**GEOMETRY, tp_size=2, layer_split=[2])  # type: ignore[arg-type]
+    assert req.check_pool_matches(pool, listed, 1).num_blocks == 8
+    with pytest.raises(BadRequest, match="configured as rank 1"):
+        req.check_pool_matches(pool, listed, 0)
+    assert req._MATCHED == {}
+    pool.close()

@@ -155,7 +155,10 @@ MATCHED_CACHE_SIZE = 256
 def check_pool_matches(pool: Pool, layout: KVLayout, rank: int) -> KVLayout:
     """The layout with the pool's block count; raises if the pool cannot hold ``rank``."""
     key = (pool.name, pool.rank, pool.layout, layout, rank)
-    resolved = _MATCHED.get(key)
+    try:
+        resolved = _MATCHED.get(key)
+    except TypeError:  # an unhashable field (a list built in Python; decoded layouts hold tuples)
+        return _check_pool_matches(pool, layout, rank)
     if resolved is None:
         resolved = _check_pool_matches(pool, layout, rank)
         if len(_MATCHED) >= MATCHED_CACHE_SIZE:
