@@ -47,6 +47,9 @@ def kvd_version() -> str:
         return "dev"
 
 
+#: The registration messages (a tuple: ``A | B`` would build a union object per request).
+_REGISTRATIONS = (m.Expect, m.Publish)
+
 #: Smallest ``max_frame_size`` accepted: below it an Expect/Publish of a few blocks cannot fit.
 MIN_FRAME_SIZE = 4096
 
@@ -173,6 +176,10 @@ class Daemon:
 
     async def handle(self, session: Session, msg: m.Message) -> tuple[m.Message, list[int]]:
         """Answer one quick request; returns the reply and fds to pass with it."""
+        if isinstance(msg, _REGISTRATIONS):  # first: what every request sends (4-5 per request)
+            if self.draining:
+                raise Draining("kvd is draining and takes no new work")
+            return await self._register(session, msg), []
         if isinstance(msg, m.Ping):
             return m.Pong(id=msg.id, payload=msg.payload), []
         if isinstance(msg, m.Stats):
@@ -202,7 +209,7 @@ class Daemon:
             attached, fds = self.pool(msg.pool).attach_reply(msg.id, sessions=self._pool_sessions(msg.pool))
             log.info("pool.attached", pool=msg.pool, kind=attached.handle_kind)
             return attached, fds
-        if self.draining and isinstance(msg, m.Alloc | m.Expect | m.Publish):
+        if self.draining and isinstance(msg, m.Alloc):
             raise Draining("kvd is draining and takes no new work")
         if isinstance(msg, m.Alloc):
             return self._alloc(session, msg), []
@@ -213,21 +220,22 @@ class Daemon:
             pool.blocks.free(session.id, msg.block_ids)
             self.update_pool_metrics()
             return m.Freed(id=msg.id, pool=msg.pool, count=len(msg.block_ids)), []
-        if isinstance(msg, m.Expect | m.Publish):
-            if len(session.requests) >= self.config.limits.max_inflight_per_session:
-                raise LimitExceeded(
-                    f"max_inflight_per_session={self.config.limits.max_inflight_per_session} "
-                    "registered requests reached"
-                )
-            self._check_geometry(msg)
-            engine = self._engine()
-            await engine.register(session, msg)
-            self.counters.requests_registered += 1
-            return m.Registered(id=msg.id, request_id=msg.request_id), []
         if isinstance(msg, m.Cancel):
             await self._engine().cancel(session, msg)
             return m.Ok(id=msg.id), []
         raise BadRequest(f"unexpected message {type(msg).__name__}")
+
+    async def _register(self, session: Session, msg: m.Expect | m.Publish) -> m.Registered:
+        if len(session.requests) >= self.config.limits.max_inflight_per_session:
+            raise LimitExceeded(
+                f"max_inflight_per_session={self.config.limits.max_inflight_per_session} "
+                "registered requests reached"
+            )
+        self._check_geometry(msg)
+        engine = self._engine()
+        await engine.register(session, msg)
+        self.counters.requests_registered += 1
+        return m.Registered(id=msg.id, request_id=msg.request_id)
 
     def after_reply(self) -> None:
         """Work the request just handled left for after its reply (see
@@ -235,11 +243,10 @@ class Daemon:
         if self.engine is not None:
             self.engine.run_after_reply()
 
-    async def wait(self, session: Session, msg: m.Wait,
-                   answer: Callable[[m.Completion], object] | None = None) -> m.Message:
-        """Wait for a request's completion (runs as a session task); ``answer`` gets it in the
-        step that reports it (see :meth:`kvd.transfer.engine.Engine.wait`)."""
-        return await self._engine().wait(session, msg, answer)
+    def watch(self, session: Session, msg: m.Wait, answer: Callable[[m.Completion], object]) -> Callable[[], None]:
+        """Have ``answer`` called with the request's completion in the step that reports it;
+        returns what ends the watch (see :meth:`kvd.transfer.engine.Engine.watch`)."""
+        return self._engine().watch(session, msg, answer)
 
     def completion_now(self, session: Session, msg: m.Wait) -> m.Message | None:
         """The reply to a wait whose request has ended already, else None (then :meth:`wait`)."""

@@ -53,6 +53,18 @@ _FIELD_MAX: dict[str, int] = {
 }
 
 
+#: Layouts seen valid, by their msgpack encoding: a request's layout is built four times per
+#: registration (decoded, given the pool's block count, compared without blocks twice), always
+#: the same few values, and each full :meth:`KVLayout.validate` costs about a microsecond. The
+#: key is the encoding, not the layout: equal layouts of other field types (``64.0`` for
+#: ``64``, built in Python, never decoded) encode differently and are validated on their own.
+#: Only valid layouts enter; bounded (emptied when full), so distinct layouts sent at will
+#: cost a validation each, as without the cache, and no memory.
+_VALID: dict[bytes, None] = {}
+VALID_CACHE_SIZE = 256
+_encode = msgspec.msgpack.Encoder().encode
+
+
 class KVLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Model geometry + parallel layout + pool axis order of one side of a transfer.
 
@@ -76,7 +88,17 @@ class KVLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     num_blocks: int = 0
 
     def __post_init__(self) -> None:
+        try:
+            key = _encode(self)
+        except (TypeError, ValueError, OverflowError):  # not encodable: validate says what is wrong
+            self.validate()
+            return
+        if key in _VALID:
+            return
         self.validate()
+        if len(_VALID) >= VALID_CACHE_SIZE:
+            _VALID.clear()
+        _VALID[key] = None
 
     # -- validation ------------------------------------------------------------------------
     def validate(self) -> None:

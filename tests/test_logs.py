@@ -187,3 +187,46 @@ def test_console_off_a_tty_has_no_escape_codes() -> None:
     text = out.getvalue()
     assert "\x1b[" not in text
     assert "ZeroDivisionError: nope" in text
+
+
+def test_json_lines_are_json_dumps_output_with_structlogs_fallbacks() -> None:
+    """The renderer reuses one encoder: each line is what ``json.dumps`` writes (the separators
+    log readers match on), values JSON cannot hold become their ``__structlog__()`` or ``repr``."""
+
+    class Custom:
+        def __structlog__(self) -> dict[str, int]:
+            return {"n": 1}
+
+    class Opaque:
+        def __repr__(self) -> str:
+            return "<opaque>"
+
+    out = io.StringIO()
+    configure_logging("json", "info", stream=out)
+    get_logger("kvd.test").info("transfer.done", stages={"planned": 0.5}, custom=Custom(), opaque=Opaque(),
+                                text="é\u2028", nan=float("nan"), pair=(1, 2))
+    line = out.getvalue().splitlines()[0]
+    record = json.loads(line)
+    assert line == json.dumps(record)  # the same separators and escapes as json.dumps
+    assert '"event": "transfer.done"' in line
+    assert record["custom"] == {"n": 1} and record["opaque"] == "<opaque>" and record["pair"] == [1, 2]
+    assert record["text"] == "é\u2028" and record["nan"] != record["nan"]
+
+
+def test_timestamps_always_carry_microseconds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Six digits of fraction on every line, a whole second included; the date is formatted
+    once per second and a new second gets its own."""
+    import time as time_mod
+
+    from kvd.ops.logs import _UtcStamper
+
+    stamper = _UtcStamper()
+    now = [1767225599.0]  # 2025-12-31T23:59:59 UTC, a whole second
+    monkeypatch.setattr(time_mod, "time", lambda: now[0])
+    assert stamper(None, "info", {})["timestamp"] == "2025-12-31T23:59:59.000000Z"
+    now[0] = 1767225599.999999
+    assert stamper(None, "info", {})["timestamp"].startswith("2025-12-31T23:59:59.99999")
+    now[0] = 1767225600.25
+    assert stamper(None, "info", {})["timestamp"] == "2026-01-01T00:00:00.250000Z"
+    monkeypatch.undo()
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z", stamper(None, "info", {})["timestamp"])

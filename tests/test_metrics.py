@@ -90,6 +90,33 @@ def test_methods_move_the_series() -> None:
     assert s[("kvd_transfer_seconds_sum", (("role", "ctx"),))] == pytest.approx(0.503)
 
 
+def test_cached_children_move_the_same_series_and_stay_bounded() -> None:
+    """The per-request calls keep their label children; past the bound they look them up again
+    (the series still move) and the cache does not grow."""
+    from kvd.ops.metrics import MAX_CACHED_CHILDREN
+
+    m = Metrics(process_metrics=False)
+    for _ in range(3):
+        m.transfer_done("gen", "mapped", 100, 0.002)
+    m.set_pool("gen0", used=1, free=7)
+    m.set_pool("gen0", used=2, free=6)
+    for n in range(MAX_CACHED_CHILDREN * 2):
+        m.set_pool(f"p{n}", used=n, free=1)
+        m.transfer_done("ctx", f"path{n}", 1, 0.001)
+    m.set_pool("p100", used=5, free=0)  # past the bound: looked up again, still the right series
+    m.transfer_done("ctx", "path100", 1, 0.001)
+    assert len(m._pool_children) <= MAX_CACHED_CHILDREN
+    assert len(m._done_children) <= MAX_CACHED_CHILDREN
+    s = samples(m.render().decode())
+    assert s[("kvd_transfers_total", (("path", "mapped"), ("role", "gen")))] == 3
+    assert s[("kvd_transfer_bytes_total", (("role", "gen"),))] == 300
+    assert s[("kvd_transfer_seconds_count", (("role", "gen"),))] == 3
+    assert s[("kvd_pool_blocks_used", (("pool", "gen0"),))] == 2
+    assert s[("kvd_pool_blocks_free", (("pool", "gen0"),))] == 6
+    assert s[("kvd_pool_blocks_used", (("pool", "p100"),))] == 5
+    assert s[("kvd_transfers_total", (("path", "path100"), ("role", "ctx")))] == 2
+
+
 def test_buckets_cover_1ms_to_60s() -> None:
     text = Metrics(process_metrics=False)
     text.transfer_done("ctx", "direct", 1, 0.01)

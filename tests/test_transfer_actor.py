@@ -77,3 +77,27 @@ async def test_an_offer_after_the_end_finds_the_transfer_finished() -> None:
     assert t.finished.is_set() and ended == [t]
     assert t.machine.state(f.Role.GEN) is f.State.FAILED and not t.machine.fail_sent
     assert t._rx.statistics().current_buffer_used == 0  # nothing left unhandled
+
+
+async def test_a_deadline_moved_while_the_actor_sleeps_expires_the_side_then(
+        autojump_clock: trio.testing.MockClock) -> None:
+    """A registration that moves the deadline does not wake the actor (its sleep's deadline
+    is moved); the side still fails at the earliest deadline, naming the missing rank. A later
+    registration's later deadline does not postpone it."""
+    reports: list[m.Completion] = []
+    ended: list[Transfer] = []
+    t = _gen_transfer(reports, ended)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(t.run)
+        await trio.testing.wait_all_tasks_blocked()
+        assert t._sleep is not None and t._sleep.deadline == math.inf  # asleep, no deadline yet
+        start = trio.current_time()
+        t.feed(f.RankRegistered(f.Role.GEN, deadline=start + 100))
+        assert t._sleep is not None and t._sleep.deadline == start + 100
+        assert t._rx.statistics().current_buffer_used == 0  # nothing queued: no wake-up
+        t.feed(f.RankRegistered(f.Role.GEN, deadline=start + 5))  # earlier: moves it
+        t.feed(f.RankRegistered(f.Role.GEN, deadline=start + 50))  # later: no change
+        assert t._sleep is not None and t._sleep.deadline == start + 5
+    assert ended == [t] and len(reports) == 1 and not reports[0].ok
+    assert reports[0].error_code == "transfer_timeout" and "never registered" in reports[0].error_message
+    assert trio.current_time() - start == 5

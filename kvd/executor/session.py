@@ -3,8 +3,9 @@
 The session actor reads frames, decodes requests, dispatches them to the daemon's actors
 and writes replies. Everything the session leases (blocks, registered requests) is tied to
 it and returned when it ends, *however* it ends: clean close, protocol error, executor
-crash (EOF/ECONNRESET), daemon shutdown. Slow requests (``Wait``) run as tasks of the
-session's own nursery so they never hold up the rest of its traffic.
+crash (EOF/ECONNRESET), daemon shutdown. A ``Wait`` for a request still running never holds
+up the rest of its traffic: it is answered in the step that reports the request
+(:mod:`kvd.executor.waits`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import structlog
 import trio
 
 from kvd.executor.fdpass import send_rest, send_with_fds
+from kvd.executor.waits import Waits
 from kvd.ops.steptrace import mark
 from kvd.ops.throttle import Throttle
 from protocol import messages as m
@@ -91,7 +93,7 @@ class SessionConnection:
         self.stream = stream
         self.session = session
         # a semaphore, not a trio.Lock: a wait's early reply (write_nowait) may take it in the
-        # step of whoever reported the request and leave the rest to the wait's own task
+        # step of whoever reported the request and leave the rest to a task (kvd.executor.waits)
         self._send_lock = trio.Semaphore(1)
         self._frames = FrameBuffer(daemon.config.limits.max_frame_size)
 
@@ -135,10 +137,6 @@ class SessionConnection:
             await send_rest(self.stream.socket, rest)
         finally:
             self._send_lock.release()
-
-    def abandon_write(self) -> None:
-        """Give up the rest of a :meth:`write_nowait` (the session is ending): the lock goes."""
-        self._send_lock.release()
 
     async def send(self, msg: m.Message, fds: list[int] | None = None,
                    then: Callable[[], None] | None = None) -> None:
@@ -367,6 +365,7 @@ async def _handshake(daemon: Daemon, conn: SessionConnection) -> tuple[m.Hello, 
 async def _serve_session(daemon: Daemon, conn: SessionConnection, first: list[bytes]) -> None:
     pending: list[bytes] | None = first
     async with trio.open_nursery() as nursery:
+        waits = Waits(daemon, conn, nursery)
         try:
             while True:
                 if pending is None:
@@ -393,15 +392,14 @@ async def _serve_session(daemon: Daemon, conn: SessionConnection, first: list[by
                         await conn.send_error(msg.id, ProtocolError("Hello sent twice"))
                         continue
                     mark("session.request", type(msg).__name__)
-                    await _dispatch(daemon, conn, nursery, msg)
+                    await _dispatch(daemon, conn, waits, msg)
         finally:
+            waits.close()
             nursery.cancel_scope.cancel()
 
 
-async def _dispatch(
-    daemon: Daemon, conn: SessionConnection, nursery: trio.Nursery, msg: m.Message
-) -> None:
-    """Run one request: inline when quick, as a session task when it may wait."""
+async def _dispatch(daemon: Daemon, conn: SessionConnection, waits: Waits, msg: m.Message) -> None:
+    """Run one request: answered here, or (a wait for a request still running) when it ends."""
     session = conn.session
     if isinstance(msg, m.Drain):
         if not is_operator(session):
@@ -429,15 +427,14 @@ async def _dispatch(
             return
         try:
             ready = daemon.completion_now(session, msg)
+            if ready is None:
+                waits.add(msg)  # answered in the step that reports the request
+                return
         except KvdError as exc:
             await conn.send_error(msg.id, exc)
             return
-        if ready is not None:  # ended already: reply now (a session task costs a scheduler pass)
-            await conn.send(ready)
-            mark("session.replied", "Completion")
-            return
-        session.inflight += 1
-        nursery.start_soon(_run_wait, daemon, conn, msg)
+        await conn.send(ready)  # ended already: reply now
+        mark("session.replied", "Completion")
         return
     try:
         reply, fds = await daemon.handle(session, msg)
@@ -453,35 +450,3 @@ async def _dispatch(
     # a registration's data path, when it runs in this step, starts once the reply is out
     await conn.send(reply, fds, then=daemon.after_reply)
     mark("session.replied", type(reply).__name__)
-
-
-async def _run_wait(daemon: Daemon, conn: SessionConnection, msg: m.Wait) -> None:
-    """A ``Wait`` as a session task. Its reply is written in the step that reports the request
-    (when no other reply is being written then), not once this task is scheduled again: with
-    several executors waiting on one daemon (gen TP4), each wake-up is a scheduler pass."""
-    left: list[bytes] = []  # what the early write left for this task (present: it was written)
-
-    def answer(reply: m.Message) -> None:
-        rest = conn.write_nowait(reply)
-        if rest is not None:
-            left.append(rest)
-            mark("session.replied", "Completion")
-
-    try:
-        try:
-            reply = await daemon.wait(conn.session, msg, answer)
-        except KvdError as exc:
-            await conn.send_error(msg.id, exc)
-            return
-        if left:
-            rest, left[0] = left[0], b""
-            await conn.finish_write(rest)
-            return
-        await conn.send(reply)
-        mark("session.replied", type(reply).__name__)
-    except (trio.BrokenResourceError, trio.ClosedResourceError, ConnectionError):
-        pass
-    finally:
-        if left and left[0]:  # cancelled (the session ends) before finishing the early write
-            conn.abandon_write()
-        conn.session.inflight -= 1

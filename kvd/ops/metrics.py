@@ -54,6 +54,12 @@ TRANSFER_SECONDS_BUCKETS: tuple[float, ...] = (
 )
 
 
+#: Label children kept per metric family: the labels of the per-request calls (role, path, pool
+#: name) come from small fixed sets; past this many combinations a call looks its child up
+#: again (prometheus_client's own lookup), so no input makes the cache grow without bound.
+MAX_CACHED_CHILDREN = 64
+
+
 class Metrics:
     """The daemon's metrics, in a dedicated registry (``self.registry``).
 
@@ -100,13 +106,24 @@ class Metrics:
         )
         if process_metrics:
             ProcessCollector(registry=r)
+        # the children of the per-request calls, looked up once: ``labels()`` checks and
+        # locks on every call (a few microseconds per transfer and pool update)
+        self._done_children: dict[tuple[str, str], tuple[Counter, Counter, Histogram]] = {}
+        self._pool_children: dict[str, tuple[Gauge, Gauge]] = {}
 
     def transfer_done(self, role: str, path: str, nbytes: int, seconds: float) -> None:
         """A transfer finished: count it, its bytes, and its duration."""
-        self._transfers.labels(role=role, path=path).inc()
+        children = self._done_children.get((role, path))
+        if children is None:
+            children = (self._transfers.labels(role=role, path=path), self._transfer_bytes.labels(role=role),
+                        self._seconds.labels(role=role))
+            if len(self._done_children) < MAX_CACHED_CHILDREN:
+                self._done_children[(role, path)] = children
+        count, moved, duration = children
+        count.inc()
         if nbytes > 0:
-            self._transfer_bytes.labels(role=role).inc(nbytes)
-        self._seconds.labels(role=role).observe(max(0.0, seconds))
+            moved.inc(nbytes)
+        duration.observe(max(0.0, seconds))
 
     def transfer_failed(self, code: str) -> None:
         """A transfer failed with kvd error ``code`` (``KvdError.code``)."""
@@ -118,8 +135,13 @@ class Metrics:
 
     def set_pool(self, pool: str, used: int, free: int) -> None:
         """Current occupancy of pool ``pool``."""
-        self._pool_used.labels(pool=pool).set(used)
-        self._pool_free.labels(pool=pool).set(free)
+        children = self._pool_children.get(pool)
+        if children is None:
+            children = (self._pool_used.labels(pool=pool), self._pool_free.labels(pool=pool))
+            if len(self._pool_children) < MAX_CACHED_CHILDREN:
+                self._pool_children[pool] = children
+        children[0].set(used)
+        children[1].set(free)
 
     def set_sessions(self, n: int) -> None:
         """Number of connected executor sessions."""

@@ -10,7 +10,7 @@ Rules a caller can rely on:
 - an unknown peer is refused at registration (:class:`~protocol.errors.UnknownPeer`);
 - blocks registered to an unfinished request cannot be registered to another, nor freed;
 - only the registering session cancels a request (or an operator with ``force``);
-- ``wait(timeout_s)`` expiring raises :class:`~protocol.errors.WaitTimeout`, the transfer goes on;
+- a wait that expires (``timeout_s``, :mod:`kvd.executor.waits`) leaves the transfer going on;
 - one ``transfer.done`` or one ``transfer.failed`` per request and side, never both;
 - a side reports failure, and its blocks and slots go back, only once no write can land in
   them: an executor that disconnects leaves its blocks with the transfer until then;
@@ -44,7 +44,6 @@ from protocol.errors import (
     NotFound,
     PermissionDenied,
     UnknownPeer,
-    WaitTimeout,
     error_from_code,
 )
 
@@ -97,7 +96,8 @@ class Engine:
         self._after_reply: list[Callable[[], None]] | None = None
         self._deferred: list[Callable[[], None]] = []
         self._env = Env(node=self.node, cfg=self.cfg, nixl=self._nixl, links=lambda: self.links,
-                        staging=self._staging, on_report=self._on_report, on_finished=self._on_finished,
+                        staging=self._staging, on_report=self._on_report, after_report=self._after_report,
+                        on_finished=self._on_finished,
                         on_nixl=self._on_nixl, after_reply=self._defer)
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -197,8 +197,8 @@ class Engine:
 
     # -- executor requests ------------------------------------------------------------------
     def _check_peer(self, peer: str) -> None:
-        if not peer or peer == self.node:
-            return
+        if not peer or peer == self.node or (self.links is not None and peer in self.links.links):
+            return  # connected: the usual case, without building the set the refusal names
         known = {p.name for p in self.daemon.config.peers}
         if self.links is not None:
             known.update(self.links.links)
@@ -360,38 +360,34 @@ class Engine:
         self._collect(session.id, t)
         return msgspec.structs.replace(completion, id=msg.id)
 
-    async def wait(self, session: Session, msg: m.Wait,
-                   answer: Callable[[m.Completion], object] | None = None) -> m.Completion:
-        """The completion of the session's side(s) of the request. ``answer``, when given, is
-        called with it in the step that reports the last of those sides (the executor's reply
-        can go out there, without waiting for this task to be scheduled again)."""
+    def watch(self, session: Session, msg: m.Wait, answer: Callable[[m.Completion], object]) -> Callable[[], None]:
+        """Call ``answer`` with the completion of the session's side(s) of the request in the step
+        that reports the last of them (the executor's reply goes out there, with no task to wake
+        up); the request is then collected for the session. Returns what ends the watch (no call
+        after it: the wait expired, or its session ended). Raises as :meth:`completion_now` does
+        for a request this session did not register; call that first (a request that has ended
+        already is never reported again)."""
         t = self._of_session(session, msg.request_id)
         sides = [s for s in t.sides.values() if session.id in s.sessions()]
-        waiting = True  # an answer after this wait timed out would be a second reply to it
+        watching = [True]
 
-        def early() -> None:
-            if waiting and answer is not None and all(s.completion is not None for s in sides):
+        def reported() -> None:
+            if watching[0] and all(s.completion is not None for s in sides):
+                watching[0] = False
                 first = sides[0].completion
                 assert first is not None
-                answer(msgspec.structs.replace(first, id=msg.id))
+                try:
+                    answer(msgspec.structs.replace(first, id=msg.id))
+                finally:
+                    self._collect(session.id, t)
 
-        if answer is not None:
-            for s in sides:
-                if s.completion is None:
-                    s.on_reported.append(early)
-        try:
-            with trio.move_on_after(math.inf if msg.timeout_s is None else msg.timeout_s):
-                for s in sides:
-                    await s.done.wait()
-        finally:
-            waiting = False
-        if any(s.completion is None for s in sides):
-            raise WaitTimeout(f"request {msg.request_id!r} still running after wait timeout {msg.timeout_s}s; "
-                              "it goes on (wait again, or cancel it)")
-        completion = sides[0].completion
-        assert completion is not None
-        self._collect(session.id, t)
-        return msgspec.structs.replace(completion, id=msg.id)
+        def stop() -> None:
+            watching[0] = False
+
+        for s in sides:
+            if s.completion is None:
+                s.on_reported.append(reported)
+        return stop
 
     async def cancel(self, session: Session, msg: m.Cancel) -> None:
         """Cancel the request: the registering session's sides, or every side with ``force``."""
@@ -486,6 +482,8 @@ class Engine:
 
     # -- reports (called by transfers) ------------------------------------------------------
     def _on_report(self, t: Transfer, side: Side, c: m.Completion) -> None:
+        """A side reported: its blocks and slots go back and its outcome is logged, before the
+        replies (a client that has its reply finds them so)."""
         role = f.Role.CTX if side.role == "ctx" else f.Role.GEN
         for part in side.parts.values():
             busy = self._busy.get(part.pool.name, {})
@@ -497,25 +495,30 @@ class Engine:
         staging = self._staging()
         if staging is not None:
             (staging.send_slots if role is f.Role.CTX else staging.recv_slots).release_owner(t.slot_owner)
-        d = self.daemon
-        d.transfer_finished(side)  # kept for `kvctl transfers` after executors collect it
         if c.ok:
-            d.counters.transfers_done += 1
-            if role is f.Role.CTX:
-                d.counters.bytes_sent += c.bytes
-            else:
-                d.counters.bytes_received += c.bytes
-            d.metrics.transfer_done(side.role, c.path, c.bytes, c.duration_s)
             log.info("transfer.done", request_id=t.request_id, role=side.role, peer=t.peer, bytes=c.bytes,
                      duration_s=round(c.duration_s, 6),
                      gbps=round(c.bytes / c.duration_s / 1e9, 3) if c.duration_s > 0 else 0.0,
                      path=c.path, chunks=c.chunks, fallback=c.fallback or None,
                      round_trips=t.round_trips if role is f.Role.CTX else None, stages=side.stages or None)
         else:
-            d.counters.transfers_failed += 1
-            d.metrics.transfer_failed(c.error_code)
             log.warning("transfer.failed", request_id=t.request_id, role=side.role, peer=t.peer,
                         code=c.error_code, error=c.error_message, bytes=side.bytes_done, chunks=side.chunks_done)
+
+    def _after_report(self, t: Transfer, side: Side, c: m.Completion) -> None:
+        """The bookkeeping of a reported side, once its executors' replies are out (same step)."""
+        d = self.daemon
+        d.transfer_finished(side)  # kept for `kvctl transfers` after executors collect it
+        if c.ok:
+            d.counters.transfers_done += 1
+            if side.role == "ctx":
+                d.counters.bytes_sent += c.bytes
+            else:
+                d.counters.bytes_received += c.bytes
+            d.metrics.transfer_done(side.role, c.path, c.bytes, c.duration_s)
+        else:
+            d.counters.transfers_failed += 1
+            d.metrics.transfer_failed(c.error_code)
         d.update_pool_metrics({p.pool.name for p in side.parts.values()})
 
     def _on_finished(self, t: Transfer) -> None:

@@ -137,12 +137,38 @@ class Side:
         )
 
 
-def _without_blocks(layout: KVLayout) -> KVLayout:
-    return msgspec.structs.replace(layout, num_blocks=0)
+def _same_but_blocks(a: KVLayout, b: KVLayout) -> bool:
+    """``a`` and ``b`` agree on everything but ``num_blocks`` (the pools' counts may differ)."""
+    return a == b or msgspec.structs.replace(a, num_blocks=0) == msgspec.structs.replace(b, num_blocks=0)
+
+
+#: Pool/layout/rank combinations already found to match, with the resolved layout: every
+#: request of a serving engine registers the same layout on the same pools, and the check
+#: (two pool shapes, a layout copy) is a few microseconds of each registration. The key holds
+#: every value the answer depends on (the pool's name, rank and layout, the given layout and
+#: rank), so a hit is the answer the check would give; only matches enter, and the cache is
+#: emptied when full: layouts sent at will cost a check each, as without it, and no memory.
+_MATCHED: dict[tuple[str, int, KVLayout, KVLayout, int], KVLayout] = {}
+MATCHED_CACHE_SIZE = 256
 
 
 def check_pool_matches(pool: Pool, layout: KVLayout, rank: int) -> KVLayout:
     """The layout with the pool's block count; raises if the pool cannot hold ``rank``."""
+    key = (pool.name, pool.rank, pool.layout, layout, rank)
+    try:
+        resolved = _MATCHED.get(key)
+    except TypeError:  # an unhashable field (a list built in Python; decoded layouts hold tuples)
+        return _check_pool_matches(pool, layout, rank)
+    if resolved is None:
+        resolved = _check_pool_matches(pool, layout, rank)
+        if len(_MATCHED) >= MATCHED_CACHE_SIZE:
+            _MATCHED.clear()
+        _MATCHED[key] = resolved
+    return resolved
+
+
+def _check_pool_matches(pool: Pool, layout: KVLayout, rank: int) -> KVLayout:
+    """:func:`check_pool_matches` without its cache."""
     if not 0 <= rank < layout.world_size:
         raise BadRequest(f"rank {rank} is outside the layout's world size {layout.world_size}")
     if pool.rank != rank:
@@ -200,7 +226,7 @@ def add_registration(
         return side
     if side.completion is not None:
         raise DuplicateRequest(f"request {msg.request_id!r} ({role}) already ran; use a new request id")
-    if _without_blocks(side.layout) != _without_blocks(layout):
+    if not _same_but_blocks(side.layout, layout):
         raise IncompatibleLayout(f"request {msg.request_id!r}: rank {msg.rank} gives a different layout than earlier ranks")
     if side.ranks != ranks:
         raise BadRequest(f"request {msg.request_id!r}: participants {list(ranks)} differ from earlier {list(side.ranks)}")

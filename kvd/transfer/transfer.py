@@ -25,6 +25,7 @@ import msgspec
 import structlog
 import trio
 
+from kvd.ops.logctx import bind_request_id, unbind_request_id
 from kvd.ops.steptrace import mark
 from kvd.regroup.plan import CheckedBlocks, Plan, check_blocks, plan
 from kvd.transfer.paths import bounce, direct, fragment, local, mapped
@@ -99,13 +100,17 @@ class Env:
     nixl: Callable[[], NixlAgent | None]
     links: Callable[[], PeerLinks | None]
     staging: Callable[[], Staging | None]
-    #: called once per side when the machine reports it (logs, counters, leases)
+    #: called once per side when the machine reports it, before its executors' replies
+    #: (leases returned, the outcome logged: what a client may look at once it has its reply)
     on_report: Callable[[Transfer, Side, m.Completion], None]
     #: called once when the transfer has nothing left running
     on_finished: Callable[[Transfer], None]
     #: called once when the transfer's path turns out to move bytes over NIXL (direct,
     #: fragment, bounce): the notification poller spins only while such a transfer runs
     on_nixl: Callable[[Transfer], None] = field(default=lambda t: None)
+    #: called after :attr:`on_report` and the replies, in the same step (counters, metrics,
+    #: history: no client request is read before the step ends, so none sees them missing)
+    after_report: Callable[[Transfer, Side, m.Completion], None] = field(default=lambda t, s, c: None)
     #: takes work to run right after the executor's reply to the registration being handled
     #: now (True), or refuses it (False: no registration is being handled; run it now)
     after_reply: Callable[[Callable[[], None]], bool] = field(default=lambda fn: False)
@@ -199,8 +204,10 @@ class Transfer:
         self.finished = trio.Event()
         self.forgetting = False  # the engine drops it soon
         self._tx, self._rx = trio.open_memory_channel[Any](math.inf)
-        self._notifs_tx, self._notifs_rx = trio.open_memory_channel[x.Notif](math.inf)
-        self._grants_tx, self._grants_rx = trio.open_memory_channel[int](math.inf)
+        # the bounce path's channels (notified chunks, receive credits), opened on first use:
+        # most transfers (mapped, direct, local) never use them, and each costs ~3 us to open
+        self._notifs: tuple[trio.MemorySendChannel[x.Notif], trio.MemoryReceiveChannel[x.Notif]] | None = None
+        self._grants: tuple[trio.MemorySendChannel[int], trio.MemoryReceiveChannel[int]] | None = None
         self._scopes: dict[f.Role, trio.CancelScope] = {}
         self._pending_scatters = 0
         self._nursery: trio.Nursery | None = None
@@ -214,11 +221,38 @@ class Transfer:
         # pending (see feed): each hop through the actor's inbox cost a scheduler pass
         # (~50-100 us on the H200 host), and a 1-block transfer made about ten of them.
         self._queued = 0  # items in the inbox
+        self._sleep: trio.CancelScope | None = None  # the actor's wait on its inbox, while it waits
         self._acting = False  # the actor is carrying out actions (it may be awaiting a send)
         self._inline = False  # actions are running in a caller's step
         self._deferred: list[f.Action] = []  # actions of events fed meanwhile: they go after
         self._backlog: list[x.XferMessage] | None = None  # messages waiting for the link, in order
         self.uses_nixl = False  # its path moves bytes over NIXL (told to the engine once)
+
+    @property
+    def _notifs_tx(self) -> trio.MemorySendChannel[x.Notif]:
+        return self._notif_channel()[0]
+
+    @property
+    def _notifs_rx(self) -> trio.MemoryReceiveChannel[x.Notif]:
+        return self._notif_channel()[1]
+
+    def _notif_channel(self) -> tuple[trio.MemorySendChannel[x.Notif], trio.MemoryReceiveChannel[x.Notif]]:
+        if self._notifs is None:
+            self._notifs = trio.open_memory_channel[x.Notif](math.inf)
+        return self._notifs
+
+    @property
+    def _grants_tx(self) -> trio.MemorySendChannel[int]:
+        return self._grant_channel()[0]
+
+    @property
+    def _grants_rx(self) -> trio.MemoryReceiveChannel[int]:
+        return self._grant_channel()[1]
+
+    def _grant_channel(self) -> tuple[trio.MemorySendChannel[int], trio.MemoryReceiveChannel[int]]:
+        if self._grants is None:
+            self._grants = trio.open_memory_channel[int](math.inf)
+        return self._grants
 
     @property
     def key(self) -> tuple[str, str]:
@@ -244,18 +278,33 @@ class Transfer:
             return
         if actions and self._idle():
             actions = self._run_inline(actions)
-            if not actions and (self.machine.deadline != before or self.machine.finished):
-                self._queue(_Do([]))  # the actor re-reads its deadline / sees the end
+            if not actions:
+                if self.machine.finished:
+                    self._queue(_Do([]))  # the actor sees the end
+                elif self.machine.deadline != before:
+                    self._deadline_moved()
                 return
-        if actions or self.machine.deadline < before:
+        if actions:
             self._queue(_Do(actions))
+        elif self.machine.deadline < before:
+            self._deadline_moved()
+
+    def _deadline_moved(self) -> None:
+        """The machine's deadline moved: an actor asleep in its inbox gets its sleep's deadline
+        moved (trio re-reads it, no wake-up: a scheduler pass saved per request); any other
+        reads the deadline when it next sleeps (one not started yet, when it first does)."""
+        if self._sleep is not None:
+            self._sleep.deadline = self.machine.deadline
 
     def post(self, item: x.XferMessage | x.Notif | x.Credit | f.PeerLost | f.PeerFenced) -> None:
         """Deliver a peer message, a notification or a link event (never blocks): handled
         right here when the actor has nothing pending, else queued behind what it has."""
         if self._idle():
-            with structlog.contextvars.bound_contextvars(request_id=self.request_id):  # as on the actor
+            token = bind_request_id(self.request_id)  # lines logged name the request, as on the actor
+            try:
                 self._handle(item)
+            finally:
+                unbind_request_id(token)
         else:
             self._queue(item)
 
@@ -272,10 +321,11 @@ class Transfer:
         followed by the actions of events those fed meanwhile. Logged lines name the request,
         as the actor's do."""
         self._inline = True
+        token = bind_request_id(self.request_id)
         try:
-            with structlog.contextvars.bound_contextvars(request_id=self.request_id):
-                return self._act_in_order(actions)
+            return self._act_in_order(actions)
         finally:
+            unbind_request_id(token)
             self._inline = False
 
     def _act_in_order(self, actions: list[f.Action]) -> list[f.Action]:
@@ -326,11 +376,17 @@ class Transfer:
                     expired = False
                     while not self.machine.finished:
                         item: Any = None
-                        # once expired, the deadline has done its work: a side still aborting
-                        # waits for its writes (or the peer's word), however long that takes
-                        with trio.move_on_at(math.inf if expired else self.machine.deadline):
-                            item = await self._rx.receive()
+                        try:  # queued already (e.g. what came before the actor started): taken
+                            item = self._rx.receive_nowait()  # without receive()'s scheduler pass
                             self._queued -= 1
+                        except trio.WouldBlock:
+                            # once expired, the deadline has done its work: a side still aborting
+                            # waits for its writes (or the peer's word), however long that takes
+                            with trio.move_on_at(math.inf if expired else self.machine.deadline) as sleep:
+                                self._sleep = None if expired else sleep  # feed may move its deadline
+                                item = await self._rx.receive()
+                                self._queued -= 1
+                            self._sleep = None
                         if item is None:
                             expired = True
                             self._explain_expiry()
@@ -658,6 +714,7 @@ class Transfer:
         side.finish(completion)
         self.env.on_report(self, side, completion)
         side.reported()  # waiting executors' replies, now that the outcome is logged and released
+        self.env.after_report(self, side, completion)
         mark("reported")
 
     # -- data path: ctx -----------------------------------------------------------------------------
