@@ -26,6 +26,10 @@ def plot(report: dict[str, Any], path: str) -> None:
     import matplotlib.pyplot as plt  # type: ignore[import-not-found, unused-ignore]
 
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    scenario = report.get("scenario", {})
+    g = int(scenario.get("gen_gpu", 1))  # reports before --gen-gpu: GPU 1
+    gpus = scenario.get("gpus") or ["H200", "H200"]
+    machine = f"{gpus[0]} x{len(gpus)}" if len(gpus) > 1 else f"one {gpus[0]}"
     # reports with contiguous-id curves measured their main curves with shuffled ids
     ids = ", shuffled block ids" if report["e2e_mapped"].get("by_blocks_contiguous") else ""
     curves = [
@@ -38,17 +42,17 @@ def plot(report: dict[str, Any], path: str) -> None:
         if contiguous:
             curves.append((f"kvd end to end, {label}, contiguous block ids", {n: v["gbps"] for n, v in contiguous.items()}))
     if report.get("kernel_alone_gbps"):
-        curves.append(("regroup kernel alone (GPU0 -> GPU1)", report["kernel_alone_gbps"]))
+        curves.append((f"regroup kernel alone (GPU0 -> GPU{g})", report["kernel_alone_gbps"]))
     for label, by_blocks in curves:
         pts = sorted((int(n), float(v)) for n, v in by_blocks.items())
         ax.plot([p[0] * BLOCK_BYTES / MiB for p in pts], [p[1] for p in pts], marker="o", label=label)
-    ax.axhline(report["contiguous_copy_gbps"], color="gray", linestyle="--", label="contiguous GPU0 -> GPU1 copy")
+    ax.axhline(report["contiguous_copy_gbps"], color="gray", linestyle="--", label=f"contiguous GPU0 -> GPU{g} copy")
     ax.axhline(report["raw_nixl"]["large"]["gbps"], color="green", linestyle="-.", label="raw NIXL, 64 MiB descriptors")
     ax.axhline(report["raw_nixl"]["per_fragment"]["gbps"], color="red", linestyle=":", label="raw NIXL, per 8 KiB fragment")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("request size (MiB; 2.25 MiB per block)")
     ax.set_ylabel("GB/s (end to end: publish -> completion)")
-    ax.set_title("kvd on H200 x2: GPT-OSS-120B KV, ctx TP1 (GPU 0) -> gen TP4 (GPU 1)")
+    ax.set_title(f"kvd on {machine}: GPT-OSS-120B KV, ctx TP1 (GPU 0) -> gen TP4 (GPU {g})", fontsize=10)
     ax.legend(fontsize=8)
     ax.grid(True, alpha=0.3)
     fig.tight_layout()
