@@ -153,9 +153,11 @@ class Event:
 # events of a side hosted here (from its executors and the engine)
 @dataclass(frozen=True)
 class RankRegistered(Event):
-    """A rank registered; more are to come. ``deadline`` on the caller's clock."""
+    """A rank registered; more are to come. ``deadline`` on the caller's clock; ``deadline_s``:
+    the same deadline as the executor gave it, in seconds (only quoted in error messages)."""
 
     deadline: float = math.inf
+    deadline_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -163,6 +165,7 @@ class SideComplete(Event):
     """The last rank registered. ``peer_named``: gen's ``expect`` named its ctx peer."""
 
     deadline: float = math.inf
+    deadline_s: float = 0.0  # as RankRegistered's
     peer_named: bool = False
 
 
@@ -228,6 +231,7 @@ class OfferReceived(Event):
     """``XferOffer``: ctx is ready and asks for a destination."""
 
     deadline: float = math.inf
+    deadline_s: float = 0.0  # as RankRegistered's: what was left of ctx's deadline
 
 
 @dataclass(frozen=True)
@@ -235,6 +239,7 @@ class DestinationReceived(Event):
     """``XferAnnounce`` (unasked) or ``XferAccept`` (answer to an offer)."""
 
     deadline: float = math.inf
+    deadline_s: float = 0.0  # as RankRegistered's: what was left of gen's deadline
     announced: bool = False
 
 
@@ -484,7 +489,9 @@ class TransferMachine:
     """The protocol state of one request, both sides; see the module docstring."""
 
     here: set[Role]
+    request_id: str = ""  # only quoted in error messages
     deadline: float = math.inf
+    deadline_s: float = 0.0  # the event that set ``deadline`` gave it as this many seconds
     path: Path | None = None
     peer_named: bool = False  # gen named its ctx peer: announce its destination unasked
     dest_out: bool = False  # gen's destination was handed to ctx: ctx writes may land
@@ -531,8 +538,7 @@ class TransferMachine:
             if event.now >= self.deadline:
                 for role in self._hosted():
                     if self.side(role).state not in FINAL and self.side(role).state is not _ABORTING:
-                        self._fail(role, TransferTimeout.code,
-                                   f"{role.value} side missed its deadline (state {self.side(role).state.value})", out)
+                        self._fail(role, TransferTimeout.code, self.timeout_message(role), out)
         elif isinstance(event, PeerLost):
             for role in self._hosted():
                 if self.side(role).state not in FINAL and self.side(role).state is not _ABORTING:
@@ -547,6 +553,47 @@ class TransferMachine:
             self._apply(event, out)
         self._joint(out)
         return out
+
+    def timeout_message(self, role: Role) -> str:
+        """Why the side ``role`` hosted here missed its deadline, in words: which request,
+        which side, what it was waiting for, the deadline in seconds and what to check."""
+        waiting, check = self._waiting_for(role)
+        name = f"request {self.request_id!r}" if self.request_id else "the request"
+        limit = f" of {self.deadline_s:.3g} s" if self.deadline_s > 0 else ""
+        return f"{name} ({role.value} side) missed its deadline{limit} while {waiting}; {check}"
+
+    def _waiting_for(self, role: Role) -> tuple[str, str]:
+        """(what the side was waiting for, what to check), from the states alone."""
+        me, c = self.side(role).state, self.ctx.state
+        more = "or give the request a longer deadline_s"
+        if me in (_IDLE, State.REGISTERING):
+            verb, verbs = ("publish", "publishes") if role is _CTX else ("expect", "expects")
+            which = "other" if me is State.REGISTERING else "first"
+            return (f"waiting for the {which} {role.value} ranks to {verb} it",
+                    f"check that every {role.value} executor of the request {verbs} it, {more}")
+        moving = ("check the peer daemon (is it running? its log) and the link between the two daemons, "
+                  f"{more} if this much data needs it")
+        if role is _CTX:
+            if me is _SENDING:
+                return f"data was still moving ({self.ctx.in_flight} writes in flight)", moving
+            where = "on this daemon" if self.local else "on the peer daemon"
+            return (f"waiting for gen's destination (the gen executors {where} have not all expected it)",
+                    f"check that every gen executor expects this request id {where}"
+                    + ("" if self.local else " and that the peer daemon is running") + f", {more}")
+        # gen
+        if c in (_SENDING, _DONE) or me is _RECEIVING:
+            seen = f"{self.notifs} of {self.writes_expected}" if self.writes_expected >= 0 else f"{self.notifs}"
+            return f"data was still moving ({seen} ctx writes arrived)", moving
+        if c is _OFFERED:
+            return ("waiting for the ctx side to start sending (gen's destination went out)",
+                    f"check the peer daemon (is it running? its log), {more}")
+        if self.local:
+            return ("waiting for the ctx side to publish (the ctx executors on this daemon have not all published it)",
+                    f"check that every ctx executor publishes this request id with this daemon as its peer, {more}")
+        told = " (gen's destination was announced to it)" if me is _DEST_OUT else ""
+        return (f"waiting for the ctx side to publish{told}",
+                "check that the ctx executors publish this request id with this daemon as their peer and that "
+                f"their daemon is running and linked to this one, {more}")
 
     def _hosted(self) -> list[Role]:
         """The roles hosted here, in :data:`_ORDER`."""
@@ -587,8 +634,9 @@ class TransferMachine:
     def _effects(self, event: Event, side: SideState, new: State, out: list[Action]) -> None:
         """The bookkeeping of one table transition (counters, deadlines, failures)."""
         role = event.role
-        if isinstance(event, RankRegistered | SideComplete | OfferReceived | DestinationReceived):
-            self.deadline = min(self.deadline, event.deadline)
+        if isinstance(event, RankRegistered | SideComplete | OfferReceived | DestinationReceived) \
+                and event.deadline < self.deadline:
+            self.deadline, self.deadline_s = event.deadline, event.deadline_s
         if isinstance(event, SideComplete):
             self.peer_named = self.peer_named or event.peer_named
         elif isinstance(event, DestinationReceived):

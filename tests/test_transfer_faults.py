@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -74,8 +75,13 @@ async def test_deadline_expiry_when_ctx_never_publishes(daemon_factory: Factory,
     async with trio.open_nursery() as n:
         await register_gen(pair.gen, "r-deadline", deadline_s=1.0, nursery=n, results=results)
     for r in range(2):
-        assert isinstance(results[r], TransferTimeout), results[r]
-        assert "deadline" in str(results[r])
+        res = results[r]
+        assert isinstance(res, TransferTimeout), res
+        # which request, which side, the deadline, what it waited for, what to check
+        assert res.message.startswith("request 'r-deadline' (gen side) missed its deadline of 1 s while waiting for "
+                                      "the ctx side to publish; check that the ctx executors publish this request "
+                                      "id with this daemon as their peer"), res.message
+        assert "deadline_s" in res.message and "(state " not in res.message
         assert results[r + 100] < 3.0  # type: ignore[operator]
     await assert_clean(pair.ctx, pair.gen)
 
@@ -86,8 +92,34 @@ async def test_deadline_expiry_when_gen_never_expects(daemon_factory: Factory, s
     res = await publish_ctx(pair.ctx, "r-noexpect", deadline_s=1.0)
     assert isinstance(res, TransferTimeout), res
     assert "peer 'gen' never accepted the offer" in str(res) and "gen rank" in str(res)  # says where to look
+    assert res.message.startswith("request 'r-noexpect' (ctx side) missed its deadline of 1 s: "), res.message
     assert time.monotonic() - t0 < 3.0
     await assert_clean(pair.ctx, pair.gen)
+
+
+def _dead_port() -> socket.socket:
+    """A socket bound to a 127.0.0.1 port that never listens: a connect there is refused (kept
+    open by the caller so that no one else takes the port meanwhile)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    return sock
+
+
+async def test_publish_to_a_configured_peer_that_is_down_says_what_to_do(
+        daemon_factory: Factory, short_tmp: Path) -> None:
+    from tests.transfer_harness import pools_for
+
+    with _dead_port() as dead:
+        port = dead.getsockname()[1]
+        ctx = daemon_factory({"pools": pools_for("ctx", CTX, 16), "peer_secret_file": write_secret(short_tmp),
+                              "peers": [{"name": "gen", "host": "127.0.0.1", "port": port}]}, name="ctx")
+        res = await publish_ctx(ctx, "r-down", deadline_s=1.0)
+    assert isinstance(res, PeerUnavailable), res
+    assert res.message.startswith("request 'r-down' (ctx side) missed its deadline of 1 s: no link to peer 'gen'"), \
+        res.message
+    assert res.message.endswith(f"; start the peer daemon, or check its [[peers]] host/port (127.0.0.1:{port}) "
+                                "in this daemon's configuration"), res.message
+    await assert_clean(ctx)
 
 
 async def test_peer_without_the_secret_is_refused(daemon_factory: Factory, short_tmp: Path) -> None:

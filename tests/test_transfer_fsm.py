@@ -294,7 +294,61 @@ def test_gen_fails_at_once_when_it_never_handed_out_its_destination() -> None:
     gen = TransferMachine(here={GEN})
     gen.handle(RankRegistered(GEN, deadline=1.0))
     out = gen.handle(Clock(1.0))
-    assert out == [Report(GEN, False, "transfer_timeout", "gen side missed its deadline (state registering)")]
+    assert out == [Report(GEN, False, "transfer_timeout",
+                          "the request (gen side) missed its deadline while waiting for the other gen ranks to expect "
+                          "it; check that every gen executor of the request expects it, or give the request a "
+                          "longer deadline_s")]
+
+
+def _expire(m: TransferMachine, role: Role) -> str:
+    """The clock passes the deadline: ``role`` fails (reported at once, or once no write can land
+    any more) as a timeout; its message."""
+    m.handle(Clock(m.deadline))
+    side = m.side(role)
+    assert side.state in (State.ABORTING, State.FAILED) and side.code == "transfer_timeout"
+    return side.message
+
+
+def test_timeout_names_the_request_the_side_the_seconds_and_what_was_awaited() -> None:
+    # gen expected, no ctx ever published: waiting for the ctx side
+    gen = TransferMachine(here={GEN}, request_id="r-7")
+    gen.handle(SideComplete(GEN, deadline=5.0, deadline_s=2.5))
+    msg = _expire(gen, GEN)
+    assert msg.startswith("request 'r-7' (gen side) missed its deadline of 2.5 s while waiting for the ctx side "
+                          "to publish;"), msg
+    assert "deadline_s" in msg and "their daemon is running" in msg
+    # gen named its peer: the destination was announced, ctx never spoke
+    named = TransferMachine(here={GEN}, request_id="r-8")
+    named.handle(SideComplete(GEN, deadline=5.0, deadline_s=3.0, peer_named=True))
+    assert "waiting for the ctx side to publish (gen's destination was announced to it)" in _expire(named, GEN)
+    # ctx offered, gen never answered: waiting for gen's destination on the peer
+    ctx = TransferMachine(here={CTX}, request_id="r-9")
+    ctx.handle(SideComplete(CTX, deadline=5.0, deadline_s=1.0))
+    msg = _expire(ctx, CTX)
+    assert msg.startswith("request 'r-9' (ctx side) missed its deadline of 1 s while waiting for gen's destination "
+                          "(the gen executors on the peer daemon have not all expected it)"), msg
+    assert "the peer daemon is running" in msg
+    # ctx and gen on one daemon, gen expected, ctx never published
+    local = TransferMachine(here={CTX, GEN}, request_id="r-l")
+    local.handle(SideComplete(GEN, deadline=4.0, deadline_s=4.0))
+    assert "the ctx executors on this daemon have not all published it" in _expire(local, GEN)
+
+
+def test_timeout_while_data_moves_says_so() -> None:
+    ctx = TransferMachine(here={CTX}, request_id="r-m")
+    ctx.handle(DestinationReceived(GEN, deadline=9.0, deadline_s=0.25))
+    ctx.handle(SideComplete(CTX, deadline=10.0, deadline_s=1.0))
+    ctx.handle(PathChosen(CTX, Path.DIRECT))
+    ctx.handle(WritePosted(CTX, 3))
+    msg = _expire(ctx, CTX)
+    assert ctx.state(CTX) is State.ABORTING  # its writes are being aborted
+    assert msg.startswith("request 'r-m' (ctx side) missed its deadline of 0.25 s while data was still moving "
+                          "(3 writes in flight);"), msg
+    gen = TransferMachine(here={GEN}, request_id="r-m")
+    gen.handle(SideComplete(GEN, deadline=1.0, deadline_s=1.0, peer_named=True))
+    gen.handle(PathReceived(CTX, Path.DIRECT))
+    gen.handle(DataDoneReceived(CTX, 4, 100))
+    assert "while data was still moving (0 of 4 ctx writes arrived)" in _expire(gen, GEN)
 
 
 def test_ctx_data_out_then_gen_cancel_is_a_late_message() -> None:

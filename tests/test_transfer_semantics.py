@@ -116,6 +116,24 @@ async def test_a_pool_configured_as_one_rank_is_not_another(daemon_factory: Fact
             await c.expect("r1", "g0", TP2, 1, ids)
 
 
+async def test_a_layout_the_pool_cannot_hold_is_refused_naming_the_fields_first(daemon_factory: Factory) -> None:
+    d = daemon_factory({"pools": [host_pool("g0", tp_size=2, rank=0)]})
+    async with open_client(d.socket_path) as c:
+        ids = await c.alloc("g0", 2)
+        with pytest.raises(IncompatibleLayout) as info:
+            await c.expect("r-tp", "g0", KVLayout(**GEO, tp_size=4), 0, ids)  # type: ignore[arg-type]
+        assert info.value.message.startswith(
+            "pool 'g0' does not match rank 0 of the given layout: tp_size: pool has 2, request has 4; "
+            "the pool holds shape "), info.value.message
+        two = KVLayout(**{**GEO, "head_dim": 128, "dtype": "float16"}, tp_size=2)  # type: ignore[arg-type]
+        with pytest.raises(IncompatibleLayout, match=r"layout: head_dim: pool has 64, request has 128, "
+                                                     r"dtype: pool has bfloat16, request has float16; "):
+            await c.publish("r-hd", "g0", two, 0, ids, peer="kvd")
+        # refused, nothing registered: the same blocks serve a matching layout at once
+        await c.expect("r-ok", "g0", TP2, 0, ids, deadline_s=60)
+        await c.cancel("r-ok")
+
+
 async def test_geometry_mismatch_on_one_daemon_fails_both_sides_at_once(daemon_factory: Factory) -> None:
     other = KVLayout(**{**GEO, "num_layers": 8})  # type: ignore[arg-type]
     d = daemon_factory({"pools": [host_pool("ctx0"), host_pool("gen0", num_layers=8)]})

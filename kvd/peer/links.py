@@ -183,6 +183,15 @@ class PeerLinks:
         why = self.last_error.get(node)
         return f"no link to peer {node!r}" + (f" (last attempt: {why})" if why else " (it never connected)")
 
+    def down_hint(self, node: str) -> str:
+        """What an operator does about a link to ``node`` that is down (for error messages)."""
+        for peer in self.config.peers:
+            if peer.name == node:
+                return (f"start the peer daemon, or check its [[peers]] host/port ({peer.host}:{peer.port}) "
+                        "in this daemon's configuration")
+        return ("start the peer daemon (it dials this one: check the [[peers]] entry naming this daemon in its "
+                "configuration)")
+
     def welcome(self) -> PeerWelcome:
         t = self.transport
         st = t.staging

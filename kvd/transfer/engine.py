@@ -287,9 +287,9 @@ class Engine:
         complete = side.complete
         if complete:
             side.complete_at = time.monotonic()
-        event: f.Event = (f.SideComplete(role, deadline=deadline, peer_named=role is f.Role.GEN
+        event: f.Event = (f.SideComplete(role, deadline=deadline, deadline_s=deadline_s, peer_named=role is f.Role.GEN
                                          and bool(msg.peer) and msg.peer != self.node)
-                          if complete else f.RankRegistered(role, deadline=deadline))
+                          if complete else f.RankRegistered(role, deadline=deadline, deadline_s=deadline_s))
         busy.update(dict.fromkeys(msg.block_ids, t))
         session.requests.add(rid)
         mine = self._by_session.setdefault(session.id, {})

@@ -181,12 +181,33 @@ def _check_pool_matches(pool: Pool, layout: KVLayout, rank: int) -> KVLayout:
     want = resolved.pool_shape(rank)
     have = pool.layout.pool_shape(pool.rank)
     if want != have or resolved.dtype != pool.layout.dtype or resolved.axis_order != pool.layout.axis_order:
+        differ = layout_differences(pool.layout, resolved)
         raise IncompatibleLayout(
-            f"pool {pool.name!r} holds shape {list(have)} {pool.layout.dtype} in axis order "
+            f"pool {pool.name!r} does not match rank {rank} of the given layout: "
+            + (f"{differ}; " if differ else "")
+            + f"the pool holds shape {list(have)} {pool.layout.dtype} in axis order "
             f"{list(pool.layout.axis_order)}; rank {rank} of the given layout needs shape {list(want)} "
             f"{resolved.dtype} in {list(resolved.axis_order)}"
         )
     return resolved
+
+
+def layout_differences(pool: KVLayout, request: KVLayout) -> str:
+    """The fields in which ``request`` differs from the ``pool``'s configured layout, as
+    ``"tp_size: pool has 2, request has 4"`` joined by ``", "`` ("" if none): the first thing an
+    :class:`IncompatibleLayout` message names. Only built when a check already failed."""
+    out = []
+    for name in pool.__struct_fields__:
+        if name == "num_blocks":  # checked (and named) on its own
+            continue
+        mine, theirs = getattr(pool, name), getattr(request, name)
+        if mine != theirs:
+            out.append(f"{name}: pool has {_show(mine)}, request has {_show(theirs)}")
+    return ", ".join(out)
+
+
+def _show(value: object) -> object:
+    return list(value) if isinstance(value, tuple) else value
 
 
 def add_registration(

@@ -196,7 +196,7 @@ class Transfer:
         self.env = env
         self.request_id = request_id
         self.peer = peer  # the other daemon's node ("" while a gen side waits for any offer)
-        self.machine = f.TransferMachine(here=set(here))
+        self.machine = f.TransferMachine(here=set(here), request_id=request_id)
         self.sides: dict[f.Role, Side] = {}
         self.remote = _Remote()
         self.peer_instance = ""  # the peer's NIXL agent when we first talked: a new one = fenced
@@ -453,27 +453,35 @@ class Transfer:
             self._fail_here(InternalError(f"internal error: {type(exc).__name__}: {exc}"))
 
     def _explain_expiry(self) -> None:
-        """At the deadline, fail with the most useful reason the machine cannot know."""
+        """At the deadline, fail with the most useful reason the machine cannot know (which
+        ranks are missing, ctx's link to its peer that is down); the machine words the other
+        cases itself."""
+        limit = f" of {self.machine.deadline_s:.3g} s" if self.machine.deadline_s > 0 else ""
+        more = "or give the request a longer deadline_s"
         for role, side in self.sides.items():
             st = self.machine.state(role)
+            name = f"request {self.request_id!r} ({side.role} side) missed its deadline{limit}"
             if st is f.State.REGISTERING:
                 missing = sorted(set(side.ranks) - set(side.parts))
+                verb = "publish" if role is f.Role.CTX else "expect"
                 self.feed(f.LocalFailure(role, TransferTimeout.code,
-                                         f"request {self.request_id!r} ({side.role}): ranks {missing} never registered "
-                                         f"before the deadline ({len(side.parts)} of {len(side.ranks)} did)"))
-            elif role is f.Role.CTX and st in (f.State.READY, f.State.OFFERED):
-                links = self.env.links()
+                                         f"{name}: ranks {missing} never registered ({len(side.parts)} of "
+                                         f"{len(side.ranks)} did); check that the {side.role} executors of those "
+                                         f"ranks are running and {verb} this request id, {more}"))
+                continue
+            links = self.env.links()
+            if role is f.Role.CTX and st in (f.State.READY, f.State.OFFERED):
                 if links is not None and self.peer not in links.links:
                     self.feed(f.LocalFailure(role, PeerUnavailable.code,
-                                             f"request {self.request_id!r}: {links.describe_missing(self.peer)} "
-                                             "before the deadline"))
+                                             f"{name}: {links.describe_missing(self.peer)}; "
+                                             f"{links.down_hint(self.peer)}"))
                 elif st is f.State.OFFERED:
                     # the offer went out and the peer never gave a destination: its gen side
                     # (which knows which ranks are missing) never became complete
                     self.feed(f.LocalFailure(role, TransferTimeout.code,
-                                             f"request {self.request_id!r} (ctx): peer {self.peer!r} never accepted "
-                                             "the offer before the deadline: not every gen rank registered "
-                                             "(expect) there; its log names the missing ranks"))
+                                             f"{name}: peer {self.peer!r} never accepted the offer: not every gen "
+                                             "rank registered (expect) there; its log names the missing ranks, "
+                                             f"{more}"))
 
     def _fail_here(self, exc: KvdError) -> None:
         for role in list(self.machine.here):
@@ -489,7 +497,7 @@ class Transfer:
         r = self.remote
         if isinstance(msg, x.XferOffer):
             r.set_side(msg.layout, dict(msg.blocks))
-            self.feed(f.OfferReceived(f.Role.CTX, deadline=self._deadline(msg.deadline_s)))
+            self.feed(f.OfferReceived(f.Role.CTX, deadline=self._deadline(msg.deadline_s), deadline_s=msg.deadline_s))
         elif isinstance(msg, x.XferAccept | x.XferAnnounce):
             announced = isinstance(msg, x.XferAnnounce)
             r.set_side(msg.layout, dict(msg.blocks), check=announced)
@@ -497,8 +505,9 @@ class Transfer:
             r.chunking = msg.chunking
             if not announced:
                 self.round_trips += 1
-            deadline = self._deadline(msg.deadline_s) if isinstance(msg, x.XferAnnounce) else math.inf
-            self.feed(f.DestinationReceived(f.Role.GEN, deadline=deadline, announced=announced))
+            deadline_s = msg.deadline_s if isinstance(msg, x.XferAnnounce) else 0.0
+            deadline = self._deadline(deadline_s) if isinstance(msg, x.XferAnnounce) else math.inf
+            self.feed(f.DestinationReceived(f.Role.GEN, deadline=deadline, deadline_s=deadline_s, announced=announced))
             for slot in msg.slots:
                 self._grants_tx.send_nowait(slot)
         elif isinstance(msg, x.XferPath):
