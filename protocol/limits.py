@@ -78,7 +78,8 @@ MAX_COUNT = 2**63 - 1
 MAX_BYTES = MAX_COUNT
 
 Name = Annotated[str, msgspec.Meta(max_length=MAX_NAME_LEN)]
-RequestId = Annotated[str, msgspec.Meta(max_length=MAX_REQUEST_ID_LEN)]
+#: A request id is never empty: "" named no request (and read as "no peer" in places).
+RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_REQUEST_ID_LEN)]
 Text = Annotated[str, msgspec.Meta(max_length=MAX_TEXT_LEN)]
 BlockId = Annotated[int, msgspec.Meta(ge=0, le=MAX_BLOCK_ID)]
 #: Block ids of one message. The values are checked by the pool (an unknown id is

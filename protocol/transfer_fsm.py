@@ -200,7 +200,11 @@ class DataOut(Event):
 
 @dataclass(frozen=True)
 class NotifSeen(Event):
-    """gen: a NIXL notification of one ctx write arrived."""
+    """gen: a NIXL notification of one ctx write arrived. ``scatter``: and gen starts a write
+    of its own into its blocks because of it (a bounce chunk's scatter), counted in flight as
+    :class:`WritePosted` counts one (one event per notification instead of two)."""
+
+    scatter: bool = False
 
 
 @dataclass(frozen=True)
@@ -663,6 +667,8 @@ class TransferMachine:
         elif isinstance(event, NotifSeen):
             if side.state not in FINAL and side.state is not _ABORTING:
                 self.notifs += 1
+                if event.scatter:
+                    side.in_flight += 1
         elif isinstance(event, DataOut):
             if side.in_flight:
                 raise LocalProtocolError(f"data out with {side.in_flight} writes still in flight")

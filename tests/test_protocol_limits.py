@@ -101,6 +101,9 @@ def test_peer_offer_deadline_is_validated(value: float) -> None:
     [
         (_body(m.Hello(version=1), client="c" * (MAX_NAME_LEN + 1)), "client"),
         (_expect(request_id="r" * (MAX_REQUEST_ID_LEN + 1)), "request_id"),
+        (_expect(request_id=""), "request_id"),
+        (_publish(request_id=""), "request_id"),
+        (_body(m.Wait(request_id="r"), request_id=""), "request_id"),
         (_expect(pool="p" * (MAX_NAME_LEN + 1)), "pool"),
         (_publish(peer="g" * (MAX_NAME_LEN + 1)), "peer"),
         (_body(m.Wait(request_id="r"), request_id="r" * (MAX_REQUEST_ID_LEN + 1)), "request_id"),

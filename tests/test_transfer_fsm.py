@@ -200,6 +200,30 @@ def test_bounce_gen_waits_for_its_own_scatters() -> None:
     assert gen.handle(WriteEnded(GEN)) == [Report(GEN, True)]
 
 
+def test_a_notification_that_starts_a_scatter_counts_it_in_flight() -> None:
+    """``NotifSeen(scatter=True)`` is the notification and its scatter's WritePosted in one
+    event: gen reports only once that scatter ended; on an aborting side neither counts."""
+    gen = TransferMachine(here={GEN})
+    gen.handle(SideComplete(GEN, peer_named=True))
+    gen.handle(PathReceived(CTX, Path.BOUNCE))
+    assert gen.handle(NotifSeen(GEN, scatter=True)) == []
+    assert gen.side(GEN).in_flight == 1
+    assert gen.handle(DataDoneReceived(CTX, writes=1)) == []  # its one write seen, its scatter not done
+    assert gen.handle(WriteEnded(GEN)) == [Report(GEN, True)]
+    aborting = TransferMachine(here={GEN})
+    aborting.handle(SideComplete(GEN, peer_named=True))
+    aborting.handle(PathReceived(CTX, Path.BOUNCE))
+    aborting.handle(NotifSeen(GEN, scatter=True))
+    aborting.handle(Cancel(GEN))  # the scatter in flight keeps it aborting
+    assert aborting.state(GEN) is State.ABORTING
+    assert aborting.handle(NotifSeen(GEN, scatter=True)) == []  # late: no new scatter counted
+    assert aborting.side(GEN).in_flight == 1
+    assert reports(aborting.handle(WriteEnded(GEN))) == []  # ctx may still be writing: its word first
+    assert aborting.side(GEN).in_flight == 0
+    (report,) = reports(aborting.handle(FailReceived(CTX, "transfer_cancelled", "stopped")))
+    assert report.role is GEN and not report.ok
+
+
 def test_local_path_and_a_failure_there_fail_both_sides_at_once() -> None:
     m = TransferMachine(here={GEN})
     m.handle(SideComplete(GEN))

@@ -556,9 +556,11 @@ class Transfer:
         if side is not None and n.slot < 0:
             side.chunks_done += 1  # a direct/fragment write landed (bounce counts its scatters)
         if n.slot >= 0 and st is not f.State.ABORTING:
+            # the scatter is counted in flight by the same event, before it is queued
             self._pending_scatters += 1
-            self.feed(f.WritePosted(f.Role.GEN))
+            self.feed(f.NotifSeen(f.Role.GEN, scatter=True))
             self._notifs_tx.send_nowait(n)
+            return
         self.feed(f.NotifSeen(f.Role.GEN))
 
     # -- actions ----------------------------------------------------------------------------------
