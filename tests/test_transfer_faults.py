@@ -122,6 +122,40 @@ async def test_publish_to_a_configured_peer_that_is_down_says_what_to_do(
     await assert_clean(ctx)
 
 
+async def test_expect_naming_a_configured_peer_that_is_down_fails_at_its_deadline(
+        daemon_factory: Factory, short_tmp: Path) -> None:
+    """gen names its ctx daemon (``expect(peer=)``) but the link never comes up: the announce
+    never leaves, so no ctx write can land. Both ranks' waits fail at the deadline (they used
+    to hang: the side counted its destination as handed out and waited for ctx's word), and
+    nothing stays leased or running."""
+    from tests.transfer_harness import pools_for
+
+    results: dict[int, object] = {}
+
+    async def rank(d: DaemonProcess, r: int, task_status: trio.TaskStatus[None]) -> None:
+        async with open_client(d.socket_path, client=f"gen{r}") as c:
+            ids = await c.alloc(f"gen{r}", 4)
+            await c.expect("r-unsent", f"gen{r}", GEN, r, ids, peer="ctx", deadline_s=1.0)
+            task_status.started()
+            try:
+                results[r] = await c.wait("r-unsent")
+            except KvdError as exc:
+                results[r] = exc
+
+    with _dead_port() as dead:
+        port = dead.getsockname()[1]
+        gen = daemon_factory({"pools": pools_for("gen", GEN, 16), "peer_secret_file": write_secret(short_tmp),
+                              "peers": [{"name": "ctx", "host": "127.0.0.1", "port": port}]}, name="gen")
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                for r in range(2):
+                    await nursery.start(rank, gen, r)
+    for r in range(2):
+        assert isinstance(results[r], TransferTimeout | PeerUnavailable), results
+        assert "r-unsent" in str(results[r]), results[r]
+    await assert_clean(gen)
+
+
 async def test_peer_without_the_secret_is_refused(daemon_factory: Factory, short_tmp: Path) -> None:
     gen_secret = write_secret(short_tmp, "gen.secret")
     ctx_secret = write_secret(short_tmp, "ctx.secret")

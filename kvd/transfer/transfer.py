@@ -694,6 +694,20 @@ class Transfer:
             for msg in left:
                 if isinstance(msg, x.XferFail):
                     links.owe(self.peer, msg)
+            if not self.machine.finished and any(isinstance(msg, x.XferAnnounce | x.XferAccept) for msg in left):
+                self._destination_unsent(links)
+
+    def _destination_unsent(self, links: PeerLinks) -> None:
+        """gen's destination never left (no link to the peer before the deadline): the peer
+        cannot write into these blocks, so the gen side may report (it fails here, unless it
+        failed already, e.g. at the same deadline) instead of waiting for a peer that never
+        heard of the request."""
+        st = self.machine.state(f.Role.GEN)
+        if st not in f.FINAL and st is not f.State.ABORTING:
+            self.feed(f.LocalFailure(f.Role.GEN, PeerUnavailable.code,
+                                     f"request {self.request_id!r} (gen side): its destination never reached "
+                                     f"peer {self.peer!r} (no link); {links.down_hint(self.peer)}"))
+        self.post(f.PeerFenced())  # none of the peer's writes can land: it never had the destination
 
     # -- reports ----------------------------------------------------------------------------------
     def _report(self, a: f.Report) -> None:
