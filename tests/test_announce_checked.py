@@ -15,9 +15,8 @@ from clients import open_client
 from kvd.demo.launch import DaemonProcess
 from protocol import transfer as x
 from protocol.errors import KvdError
-from tests.conftest import host_pool
-from tests.test_bounce_older_peer import BLOCKS, CTX, GEN, OlderPeer, _regions
-from tests.transfer_harness import wait_for_peer, write_secret
+from tests.test_bounce_older_peer import BLOCKS, CTX, GEN, _regions, ctx_with_played_gen
+from tests.transfer_harness import wait_for_peer
 
 Factory = Callable[..., DaemonProcess]
 
@@ -28,11 +27,7 @@ Factory = Callable[..., DaemonProcess]
 ])
 async def test_an_announce_with_bad_block_ids_fails_the_publish_clearly(
         daemon_factory: Factory, short_tmp: Path, gen_ids: dict[int, list[int]], error: str) -> None:
-    secret = write_secret(short_tmp)
-    d = daemon_factory({"pools": [host_pool("ctx0", num_blocks=BLOCKS)], "peer_secret_file": secret,
-                        "transfer": {"bounce_size_mb": 4, "chunk_mb": 1, "mapped": False,
-                                     "heartbeat_timeout_s": 600.0}}, name="ctx")
-    gen = OlderPeer(d, Path(secret).read_bytes(), "badgen", GEN)
+    d, gen = ctx_with_played_gen(daemon_factory, short_tmp, "badgen")
     try:
         async with open_client(d.socket_path) as c:
             await wait_for_peer(c)

@@ -82,13 +82,18 @@ def _regions(peer: OlderPeer) -> dict[int, x.RemoteRegion]:
     return {r: x.RemoteRegion(addr=a.ctypes.data, nbytes=a.nbytes, device=-1) for r, a in peer.pools.items()}
 
 
+def ctx_with_played_gen(factory: Factory, tmp: Path, node: str) -> tuple[DaemonProcess, OlderPeer]:
+    """A ctx daemon (one host pool, NIXL paths only) and a gen peer ``node`` played on the wire."""
+    secret = write_secret(tmp)
+    d = factory({"pools": [host_pool("ctx0", num_blocks=BLOCKS)], "peer_secret_file": secret,
+                 "transfer": {"bounce_size_mb": 4, "chunk_mb": 1, "mapped": False,
+                              "heartbeat_timeout_s": 600.0}}, name="ctx")
+    return d, OlderPeer(d, Path(secret).read_bytes(), node, GEN)
+
+
 async def test_ctx_writes_per_fragment_to_a_gen_that_names_no_chunk_layout(
         daemon_factory: Factory, short_tmp: Path) -> None:
-    secret = write_secret(short_tmp)
-    d = daemon_factory({"pools": [host_pool("ctx0", num_blocks=BLOCKS)], "peer_secret_file": secret,
-                        "transfer": {"bounce_size_mb": 4, "chunk_mb": 1, "mapped": False,
-                                     "heartbeat_timeout_s": 600.0}}, name="ctx")
-    gen = OlderPeer(d, Path(secret).read_bytes(), "oldgen", GEN)
+    d, gen = ctx_with_played_gen(daemon_factory, short_tmp, "oldgen")
     try:
         gen_ids = {0: [5, 1, 6, 2], 1: [3, 7, 0, 4]}
         async with open_client(d.socket_path) as c, trio.open_nursery() as nursery:
