@@ -209,8 +209,11 @@ async def test_200_concurrent_clients_100_round_trips_each(shared_daemon: Daemon
                 nursery.start_soon(one, i)
     assert errors == []
     assert sum(pongs) == clients * rounds == 20_000
+    # a Client's close does not wait for the daemon to end the session: wait for it to
     async with open_client(shared_daemon.socket_path) as kvd:
-        st = await kvd.stats()
+        with trio.fail_after(20):
+            while (st := await kvd.stats()).sessions != 1:
+                await trio.sleep(0.01)
     assert st.sessions == 1  # every one of the 200 sessions ended
 
 

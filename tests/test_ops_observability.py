@@ -14,6 +14,7 @@ import json
 import re
 import socket
 import threading
+import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
@@ -59,6 +60,14 @@ def _check_done_line(line: dict[str, Any], completion: Completion, *, role: str,
     assert line["duration_s"] == pytest.approx(completion.duration_s, abs=1e-5)
     assert line["gbps"] == pytest.approx(completion.bytes / completion.duration_s / 1e9, abs=1e-3)
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d+Z", line["timestamp"])
+
+
+def _until_sessions_closed(d: DaemonProcess, count: int, timeout: float = 20.0) -> None:
+    """Wait until ``d`` logged ``session.closed`` ``count`` times (it sets the gauges first)."""
+    deadline = time.monotonic() + timeout
+    while sum(r.get("event") == "session.closed" for r in _records(d)) < count:
+        assert time.monotonic() < deadline, f"fewer than {count} sessions closed within {timeout} s"
+        time.sleep(0.02)
 
 
 def _free_port() -> int:
@@ -142,7 +151,9 @@ def test_local_transfer_log_lines_and_metrics(daemon_factory: Callable[..., Daem
     # (the engine leaves the gen side's peer empty on the local path; the line agrees with the Completion)
     _check_done_line(by_role["gen"], gen_done, role="gen", peer=gen_done.peer)
 
-    # sessions gone: the gauges follow
+    # sessions gone: the gauges follow. Closing a Client does not wait for the daemon, which
+    # ends the session when it reads the hang-up: wait for its two session.closed lines
+    _until_sessions_closed(d, 2)
     final = _scrape(port)
     assert final["kvd_sessions{}"] == 0
     assert final["kvd_pool_blocks_used{pool=ctx0}"] == 0
