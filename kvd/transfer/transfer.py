@@ -471,7 +471,18 @@ class Transfer:
                 continue
             links = self.env.links()
             if role is f.Role.CTX and st in (f.State.READY, f.State.OFFERED):
-                if links is not None and self.peer not in links.links:
+                if self.peer == self.env.node:
+                    # between this daemon's own pools: no link involved (it was reported as down),
+                    # the gen ranks that should expect it here did not
+                    gen = self.sides.get(f.Role.GEN)
+                    who = ("no gen rank expected it" if gen is None else
+                           f"gen ranks {sorted(set(gen.ranks) - set(gen.parts))} never expected it")
+                    self.feed(f.LocalFailure(role, TransferTimeout.code,
+                                             f"{name}: {who} on this daemon (peer {self.peer!r} is this daemon's "
+                                             "own node: a transfer between its own pools); check that the gen "
+                                             "executors expect this request id here, or publish to the gen "
+                                             f"daemon's node name, {more}"))
+                elif links is not None and self.peer not in links.links:
                     self.feed(f.LocalFailure(role, PeerUnavailable.code,
                                              f"{name}: {links.describe_missing(self.peer)}; "
                                              f"{links.down_hint(self.peer)}"))
