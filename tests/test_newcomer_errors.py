@@ -1,6 +1,7 @@
 """Mistakes a newcomer makes with kvd, and what kvd says about them: each case runs real daemons
 (subprocesses, real sockets) and checks that the error names what went wrong and what to do.
 
+- ``[pools]`` for ``[[pools]]`` says to write two brackets;
 - a configuration value only the daemon's checks refuse (a negative deadline) is a configuration
   error: exit 78, not 1 (systemd would restart a daemon that can never start);
 - a transfer to the daemon's own node that no gen rank expects is not "no link to the peer";
@@ -38,6 +39,17 @@ def test_a_negative_deadline_in_the_file_is_a_configuration_error(short_tmp: Pat
     check_failure(serve(path, env={"KVD_LOG_FORMAT": "json"}), exit_code=EX_CONFIG, setting=None,
                   contains=["[transfer] deadline_s must be finite, > 0 and at most 86400 s, got -1.0",
                             "; fix the configuration (systemd/kvd.toml shows and explains every key)"])
+
+
+@pytest.mark.parametrize("table", ["pools", "peers"])
+def test_a_single_bracket_pools_table_says_to_use_two(short_tmp: Path, table: str) -> None:
+    """``[pools]`` instead of ``[[pools]]``: msgspec's "expected `array`, got `object`" alone does
+    not tell a newcomer that TOML's double brackets make the array."""
+    path = short_tmp / "kvd.toml"
+    path.write_text(f'socket_path = "{short_tmp / "kvd.sock"}"\nlog_format = "json"\n[{table}]\nname = "x"\n')
+    check_failure(serve(str(path)), exit_code=EX_CONFIG, setting=table,
+                  contains=[f"kvd: error: {table}: expected `array`, got `object` (in {path}): write each entry "
+                            f"as its own [[{table}]] table (two brackets); fix the configuration"])
 
 
 def _local_pools() -> list[dict[str, Any]]:
