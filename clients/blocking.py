@@ -322,7 +322,9 @@ class Client:
     def wait(self, request_id: str, timeout_s: float | None = None) -> m.Completion:
         """Wait for the transfer; returns its Completion, raises its error if it failed.
 
-        ``timeout_s`` passing raises :class:`~protocol.errors.WaitTimeout`; the transfer goes on.
+        ``timeout_s`` passing raises :class:`~protocol.errors.WaitTimeout`; the transfer goes on
+        (its own bound is the registration's ``deadline_s``). The outcome is reported once: a later
+        wait for the same request raises ``NotFound`` saying it ended.
         """
         msg = wait_request(self._id(), request_id, timeout_s)
         with self._lock, self._patience(timeout_s):  # the lock is reentrant: _call takes it too
