@@ -13,7 +13,11 @@
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import shutil
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -27,6 +31,7 @@ from kvd.startup import EX_CONFIG
 from protocol.errors import BadRequest, ConnectionClosed, NotFound, TransferTimeout
 from protocol.layout import KVLayout
 from tests.conftest import host_pool
+from tests.test_ops_access import CLIENT, NOBODY, _as_nobody
 from tests.test_startup_errors import base_config, check_failure, secret, serve, write_config
 
 LOST = "open a new Client once kvd answers again (kvctl ping --wait SECONDS)"
@@ -237,3 +242,29 @@ async def test_async_client_waiting_when_its_daemon_is_killed(daemon_factory: Ca
         assert exc.message.startswith(("the daemon closed the connection; ", "connection to the daemon broke: ",
                                        "cannot send to the daemon: ")), exc.message
         assert exc.message.endswith(LOST), exc.message
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None,
+                    reason="needs root and setpriv to run a client as another uid")
+@pytest.mark.parametrize("access", [None, {"allowed_uids": [1234]}])
+def test_a_refused_user_is_told_how_to_get_in(daemon_factory: Callable[..., DaemonProcess], short_tmp: Path,
+                                              access: dict[str, list[int]] | None) -> None:
+    """A user the ``[access]`` policy refuses was told who may connect, not what to change."""
+    short_tmp.chmod(0o755)
+    cfg: dict[str, Any] = {"pools": [host_pool("host0")], "socket_mode": 0o666}
+    if access is not None:
+        cfg["access"] = access
+    d = daemon_factory(cfg, name="acl")
+    run = _as_nobody([sys.executable, "-c", CLIENT, d.socket_path])
+    assert run.returncode == 0, run.stderr
+    [result] = [json.loads(line) for line in run.stdout.splitlines()]
+    assert result["ok"] is False and result["code"] == "permission_denied", result
+    said = result["message"]
+    assert said.startswith(f"peer pid {result['pid']} (uid {NOBODY}, gid {NOBODY}) is not allowed to use this daemon: ")
+    if access is None:
+        assert said.endswith("only root, uid 0 and members of group 0 may connect; add this user to group 0 "
+                             "(usermod -aG, effective from its next login), or list its uid or gid in [access] "
+                             "allowed_uids / allowed_gids of the daemon's configuration"), said
+    else:
+        assert said.endswith("members of gids []; list this uid or one of its groups in [access] allowed_uids / "
+                             "allowed_gids of the daemon's configuration"), said
