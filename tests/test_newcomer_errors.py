@@ -22,13 +22,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import trio
 
 from clients import Client, open_client
 from kvd.demo.launch import DaemonProcess
 from kvd.startup import EX_CONFIG
-from protocol.errors import BadRequest, ConnectionClosed, NotFound, TransferTimeout
+from protocol.errors import BadRequest, ConnectionClosed, IncompatibleLayout, NotFound, TransferTimeout
 from protocol.layout import KVLayout
 from tests.conftest import host_pool
 from tests.test_ops_access import CLIENT, NOBODY, _as_nobody
@@ -139,6 +140,25 @@ def test_waiting_twice_or_on_another_session_says_why(daemon_factory: Callable[.
         c.free("ctx0", ids)
         g0.free("gen0", gids[0])
         g1.free("gen1", gids[1])
+
+
+def test_layout_mistakes_say_what_to_leave_out(daemon_factory: Callable[..., DaemonProcess]) -> None:
+    """Two arguments a newcomer fills in that are best left alone: the layout's ``num_blocks``
+    and ``ranks=`` (attention DP only)."""
+    d = daemon_factory({"pools": _local_pools()}, name="local")
+    _ctx, gen = _layouts(d)
+    with Client(d.socket_path, client="gen-rank0") as g0:
+        ids = g0.alloc("gen0", 2)
+        with pytest.raises(IncompatibleLayout) as info:
+            g0.expect("r", "gen0", msgspec.structs.replace(gen, num_blocks=64), 0, ids)
+        assert info.value.message == ("layout says num_blocks=64, pool 'gen0' has 8; leave the layout's "
+                                      "num_blocks at 0 (it then takes the pool's)")
+        with pytest.raises(BadRequest) as info:
+            g0.expect("r", "gen0", gen, 0, ids, ranks=[0])
+        assert info.value.message == ("request 'r': without attention DP every rank takes part; got ranks [0]: "
+                                      "leave ranks out, and have every rank of the layout register")
+        assert g0.transfers() == []
+        g0.free("gen0", ids)
 
 
 BAD_ARGUMENTS = [
