@@ -35,10 +35,26 @@ def default_socket_path() -> str:
 CLIENT_GIVE = "Client(path) / open_client(path) or KVD_SOCKET"
 
 
+#: Longest Unix socket path, in bytes (``sun_path`` is 108 bytes with its terminating NUL).
+MAX_SOCKET_PATH = 107
+
+
+def socket_path_too_long(path: str) -> str:
+    """Why ``path`` cannot be a Unix socket ("" if it can): Python's own error says only
+    "AF_UNIX path too long", with no errno and no limit."""
+    size = len(os.fsencode(path))
+    if size <= MAX_SOCKET_PATH:
+        return ""
+    return (f"the path is {size} bytes long, and a Unix socket path holds at most {MAX_SOCKET_PATH}: no "
+            "daemon can listen there; give the daemon's real socket_path (a short one, e.g. under /run)")
+
+
 def unreachable_hint(path: str, give: str = CLIENT_GIVE) -> str:
     """What to do when the socket at ``path`` cannot be opened (connect() says only errno).
 
     ``give`` names how the caller passes the socket path (an argument, an option)."""
+    if too_long := socket_path_too_long(path):
+        return too_long
     if not os.path.exists(path):
         return f"is kvd running with this socket_path? Give its socket with {give} (default /run/kvd/kvd.sock)"
     if not stat.S_ISSOCK(os.stat(path).st_mode):

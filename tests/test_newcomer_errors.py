@@ -58,6 +58,29 @@ def test_a_single_bracket_pools_table_says_to_use_two(short_tmp: Path, table: st
                             f"as its own [[{table}]] table (two brackets); fix the configuration"])
 
 
+def test_a_socket_path_too_long_for_a_unix_socket(short_tmp: Path) -> None:
+    """A socket_path over 107 bytes (a deep working directory): bind() says "AF_UNIX path too long"
+    with no errno, and the daemon's line used to end in "cannot listen on ...: None"."""
+    path = str(short_tmp / ("s" * (108 - len(str(short_tmp))))) + ".sock"
+    assert len(path) > 107
+    config = write_config(short_tmp, "kvd", base_config(short_tmp, socket_path=path))
+    check_failure(serve(config, env={"KVD_LOG_FORMAT": "json"}), exit_code=EX_CONFIG, setting="socket_path",
+                  contains=[f"kvd: error: socket_path: {path} is {len(path)} bytes long, and a Unix socket path "
+                            "holds at most 107; choose a shorter socket_path (KVD_SOCKET)"])
+    said = (f"cannot connect to kvd at {path}: AF_UNIX path too long; the path is {len(path)} bytes long, and a "
+            "Unix socket path holds at most 107: no daemon can listen there; give the daemon's real socket_path")
+    with pytest.raises(ConnectionClosed) as info:
+        Client(path, client="t")
+    assert info.value.message.startswith(said), info.value.message
+
+
+async def test_async_client_names_a_socket_path_too_long(short_tmp: Path) -> None:
+    path = "/tmp/" + "s" * 120
+    with pytest.raises(ConnectionClosed, match="the path is 125 bytes long, and a Unix socket path holds at most 107"):
+        async with open_client(path, client="t"):
+            pass
+
+
 def _local_pools() -> list[dict[str, Any]]:
     """A TP1 ctx pool and the two pools of a TP2 gen instance, all on one daemon."""
     return [host_pool("ctx0", num_blocks=8),
