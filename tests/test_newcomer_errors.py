@@ -110,9 +110,9 @@ def test_a_transfer_to_the_own_node_that_no_gen_rank_expects(
         with pytest.raises(TransferTimeout) as info:
             c.wait("nobody", timeout_s=60)
         said = info.value.message
-        assert "missed its deadline of 1 s: no gen rank expected it on this daemon (peer 'local' is this " \
-               "daemon's own node: a transfer between its own pools)" in said, said
-        assert "check that the gen executors expect this request id here" in said, said
+        assert "missed its deadline of 1 s: no gen executor expected it on this daemon (peer 'local' is this " \
+               "daemon: the local path)" in said, said
+        assert "check that the gen executors are running and expect this request id here" in said, said
         assert "no link" not in said and "start the peer daemon" not in said, said
 
         # one of the two gen ranks expects it: both sides name the rank that did not, whichever

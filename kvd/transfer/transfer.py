@@ -472,16 +472,15 @@ class Transfer:
             links = self.env.links()
             if role is f.Role.CTX and st in (f.State.READY, f.State.OFFERED):
                 if self.peer == self.env.node:
-                    # between this daemon's own pools: no link involved (it was reported as down),
-                    # the gen ranks that should expect it here did not
+                    # the local path: the gen side lives here and never registered (or only some
+                    # of its ranks did: name the others)
                     gen = self.sides.get(f.Role.GEN)
-                    who = ("no gen rank expected it" if gen is None else
+                    who = ("no gen executor expected it" if gen is None else
                            f"gen ranks {sorted(set(gen.ranks) - set(gen.parts))} never expected it")
                     self.feed(f.LocalFailure(role, TransferTimeout.code,
-                                             f"{name}: {who} on this daemon (peer {self.peer!r} is this daemon's "
-                                             "own node: a transfer between its own pools); check that the gen "
-                                             "executors expect this request id here, or publish to the gen "
-                                             f"daemon's node name, {more}"))
+                                             f"{name}: {who} on this daemon (peer {self.peer!r} is this daemon: "
+                                             "the local path); check that the gen executors are running and "
+                                             f"expect this request id here, {more}"))
                 elif links is not None and self.peer not in links.links:
                     self.feed(f.LocalFailure(role, PeerUnavailable.code,
                                              f"{name}: {links.describe_missing(self.peer)}; "
