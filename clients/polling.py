@@ -55,6 +55,9 @@ class PollingClient(Client):
         self._cancels: set[int] = set()  # ids of cancel_nowait's Cancel, whose replies are dropped
         super().__init__(path, client=client, timeout=timeout)
 
+    def __enter__(self) -> PollingClient:
+        return self
+
     @property
     def watching(self) -> int:
         """How many watched requests have not been returned by :meth:`get_finished` yet."""
