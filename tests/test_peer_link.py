@@ -647,6 +647,58 @@ async def test_a_frame_queued_while_a_send_waits_goes_after_it() -> None:
     await cb.aclose()
 
 
+async def test_frames_keep_call_order_when_the_writer_is_first_in_line_for_the_lock() -> None:
+    """The writer waits for the lock with a frame to write (A), a send() waits behind it (B),
+    then another frame is queued (C): they leave as A, B, C. (send() used to take A along
+    before waiting; the writer, first in line, then wrote C before A and B: a transfer's
+    data-done overtook its path message, and gen failed a request ctx had completed.)"""
+    ca, cb = await _socket_pair()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(ca.run_writer)
+        await trio.testing.wait_all_tasks_blocked()
+        await ca._send_lock.acquire()  # a write under way
+        assert ca.send_nowait(Ping(payload=b"A"))
+        await trio.testing.wait_all_tasks_blocked()  # the writer waits for the lock, first
+        nursery.start_soon(ca.send, Ping(payload=b"B"))
+        await trio.testing.wait_all_tasks_blocked()  # send() waits behind it
+        assert ca.send_nowait(Ping(payload=b"C"))
+        ca._send_lock.release()
+        got = [(await cb.receive()) for _ in range(3)]
+        nursery.cancel_scope.cancel()
+    assert [m.payload for m in got] == [b"A", b"B", b"C"]  # type: ignore[attr-defined]
+    await ca.aclose()
+    await cb.aclose()
+
+
+async def test_a_send_cancelled_while_waiting_still_goes_out_in_order() -> None:
+    """A send() cancelled while it waits for the lock leaves its frame queued, in its place:
+    the writer sends it after what was queued before and before what comes later."""
+    ca, cb = await _socket_pair()
+    scope = trio.CancelScope()
+
+    async def gives_up() -> None:
+        with scope:
+            await ca.send(Ping(payload=b"gives up"))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(ca.run_writer)
+        await trio.testing.wait_all_tasks_blocked()
+        await ca._send_lock.acquire()  # a write under way
+        assert ca.send_nowait(Ping(payload=b"before"))
+        nursery.start_soon(gives_up)
+        await trio.testing.wait_all_tasks_blocked()  # it waits for the lock
+        scope.cancel()
+        await trio.testing.wait_all_tasks_blocked()
+        assert scope.cancelled_caught
+        assert ca.send_nowait(Ping(payload=b"after"))
+        ca._send_lock.release()
+        got = [(await cb.receive()) for _ in range(3)]
+        nursery.cancel_scope.cancel()
+    assert [m.payload for m in got] == [b"before", b"gives up", b"after"]  # type: ignore[attr-defined]
+    await ca.aclose()
+    await cb.aclose()
+
+
 async def test_takes_nowait_only_while_the_writer_runs() -> None:
     """A link that just came up has no writer yet: callers must send awaited then (a transfer
     whose first message met such a link failed with an internal error)."""

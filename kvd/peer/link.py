@@ -156,14 +156,25 @@ class PeerConnection:
         return f"{who} at {self.remote_addr}" if self.remote_addr else who
 
     async def send(self, msg: msgspec.Struct) -> None:
-        """Frame and send one message (after any queued by :meth:`send_nowait`)."""
+        """Frame and send one message, in call order with :meth:`send_nowait` and other sends;
+        returns once it is written (by this call or by the writer).
+
+        The frame joins the queue at once and the queue is written under the lock by
+        whichever task holds it next. (Taking the queue along before waiting for the lock
+        broke the order: the writer, ahead in the lock's line, wrote frames queued later
+        first; a transfer's data-done overtook its path message.)"""
         data = encode_peer(msg, self._max_frame_size)
         if self._closed_by_us:
             raise ConnectionClosed(f"link to {self.describe()} was closed by us", by_peer=False)
-        if self._outbox:  # what was queued before this call goes first (taken now: what is
-            data = b"".join([*self._outbox, data])  # queued while we wait for the lock is later)
-            self._outbox.clear()
+        self._outbox.append(data)
+        self._outbox_ready.set()  # cancelled while waiting, the writer still sends it, in order
         async with self._send_lock:
+            if self.write_error:  # the writer took our frame (or one before it) and failed
+                raise ConnectionClosed(f"link to {self.describe()} broke: {self.write_error}", by_peer=True)
+            if not self._outbox:
+                return  # the writer wrote it, in order, before we got the lock
+            data = b"".join(self._outbox)
+            self._outbox.clear()
             try:
                 await self.stream.send_all(data)
             except trio.BrokenResourceError as exc:
