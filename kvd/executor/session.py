@@ -96,9 +96,13 @@ class SessionConnection:
         # step of whoever reported the request and leave the rest to a task (kvd.executor.waits)
         self._send_lock = trio.Semaphore(1)
         self._frames = FrameBuffer(daemon.config.limits.max_frame_size)
-        # replies held by cork() until flush(): a registration sent with its wait gets both
-        # replies in one write (one syscall here, one wake-up of the executor)
+        # replies held by cork() until the reply it waits for (or flush()): a registration
+        # sent with its wait gets both replies in one write (one syscall here, one wake-up of
+        # the executor); what their sends would have run after the registration's reply waits
+        # for run_held() (the data path starts once the wait is registered)
         self._cork: list[bytes] | None = None
+        self._cork_until = 0
+        self._held_then: list[Callable[[], None]] = []
 
     @property
     def reply_limit(self) -> int:
@@ -126,9 +130,11 @@ class SessionConnection:
         if self._send_lock.value == 0:
             return None
         data, _ = self._encode(msg)
-        if self._cork is not None:  # goes out with the replies before it (flush)
+        if self._cork is not None:  # goes out with the replies before it
             self._cork.append(data)
-            return b""
+            if msg.id != self._cork_until:
+                return b""
+            data, self._cork = b"".join(self._cork), None  # the last one held for: all go now
         sent = self._write_now(data)
         if sent == len(data):
             return b""
@@ -149,7 +155,8 @@ class SessionConnection:
         """Write one reply (with optional fds) atomically with respect to other replies.
 
         ``then`` runs once the reply is written, or before awaiting the socket when it cannot
-        be written at once (never after a checkpoint). A reply too large for one frame fails
+        be written at once (never after a checkpoint); while replies are held (:meth:`cork`),
+        :meth:`run_held` runs it. A reply too large for one frame fails
         its request with ``reply_too_large`` (the session goes on) instead of breaking the
         connection.
         """
@@ -162,12 +169,16 @@ class SessionConnection:
         if not whole:
             fds = None
         if self._cork is not None:
+            if then is not None:
+                self._held_then.append(then)  # run_held() runs it
+                then = None
             if not fds and self._send_lock.value:
-                self._cork.append(data)  # written by flush(), in order, with the held ones
-                if then is not None:
-                    then()
-                return
-            await self.flush()  # fds ride on their own frame's first byte: the held ones go first
+                self._cork.append(data)  # written in order with the held ones
+                if msg.id != self._cork_until:
+                    return
+                data, self._cork = b"".join(self._cork), None  # the last one held for: all go now
+            else:
+                await self.flush()  # fds ride on their own frame's first byte: the held ones go first
         if not fds and self._send_lock.value:
             # no other reply under way: straight into the socket, without the two scheduler
             # passes (lock, send) an awaited write costs (~30-100 us each on a busy host); what
@@ -194,10 +205,20 @@ class SessionConnection:
         """Replies are being held (:meth:`cork`)."""
         return self._cork is not None
 
-    def cork(self) -> None:
-        """Hold the replies from now on until :meth:`flush`, which writes them in one go."""
+    def cork(self, until: int) -> None:
+        """Hold the replies from now on until the reply to request ``until`` comes (then all of
+        them are written in one go, in the step that answers it) or :meth:`flush`. The ``then``
+        of a reply sent meanwhile waits for :meth:`run_held`."""
         if self._cork is None:
             self._cork = []
+        self._cork_until = until
+
+    def run_held(self) -> None:
+        """Run what the replies sent while corked would have run once written (see
+        :meth:`send`'s ``then``), in order; call it before :meth:`flush`, and when the session
+        ends (a registration's data path must not be left behind)."""
+        while self._held_then:
+            self._held_then.pop(0)()
 
     async def flush(self) -> None:
         """Write the replies :meth:`cork` held, in order (straight into the socket when no
@@ -442,13 +463,18 @@ async def _serve_session(daemon: Daemon, conn: SessionConnection, first: list[by
                     if isinstance(msg, m.Publish | m.Expect) and i + 1 < len(frames):
                         ahead = _wait_for(msg.request_id, frames[i + 1])
                         if ahead is not None:
-                            # registration and wait sent together (publish_and_wait): their
-                            # replies go out together once the wait is answered or pending
-                            conn.cork()
+                            # registration and wait sent together (publish_and_wait): the wait
+                            # is registered before the registration's data path starts, and
+                            # both replies go out together when it is answered, in the step
+                            # that reports the request (or when the wait is left pending)
+                            conn.cork(until=ahead.id)
                     await _dispatch(daemon, conn, waits, msg)
-                    if ahead is None and conn.corked:
-                        await conn.flush()
+                    if ahead is None:
+                        conn.run_held()  # the registration's data path, once its wait is registered
+                        if conn.corked:
+                            await conn.flush()
         finally:
+            conn.run_held()  # a registration's data path runs even if its session ends now
             waits.close()
             nursery.cancel_scope.cancel()
 
