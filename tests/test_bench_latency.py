@@ -76,3 +76,28 @@ def test_bench_transfer_options_for_the_control_path() -> None:
         _paths("mapped,bounce")
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--geometry", "huge"])
+
+
+def test_latency_ab_alternates_two_trees_and_prints_ratios(capsys: pytest.CaptureFixture[str]) -> None:
+    """``python -m kvd.bench.latency_ab OLD NEW``: each round runs under its own tree (here the
+    same tree twice), old then new, and the summary gives each figure old -> new with its ratio."""
+    from kvd.bench import latency_ab
+
+    tree = str(Path(__file__).resolve().parent.parent)
+    assert latency_ab.main([tree, tree, "--rounds", "1", "--repeat", "2", "--geometry", "tiny",
+                            "--orders", "gen-first"]) == 0
+    out = capsys.readouterr().out
+    assert out.index("round 0 old: gen-first p50") < out.index("round 0 new: gen-first p50")
+    summary = [line for line in out.splitlines() if line.startswith("gen-first, medians over 1 rounds")]
+    assert len(summary) == 1 and "p50" in summary[0] and "gen cpu/req" in summary[0], out
+
+
+def test_latency_ab_refuses_a_tree_without_kvd(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A directory that is not a source tree is refused up front (the editable install would
+    otherwise measure whatever kvd it finds)."""
+    from kvd.bench import latency_ab
+
+    tree = str(Path(__file__).resolve().parent.parent)
+    with pytest.raises(SystemExit):
+        latency_ab.main([str(tmp_path), tree])
+    assert "holds no kvd/ package" in capsys.readouterr().err
