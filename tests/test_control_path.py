@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -162,6 +163,11 @@ def test_a_registration_sent_with_its_wait_gets_both_replies_in_one_write(
         assert isinstance(ids, m.Allocated)
         for r, c in enumerate(gens):
             c.expect("r-both", f"gen{r}", TP2, r, gen_ids[r], peer="ctx", deadline_s=30)
+        with Client(pair.ctx.socket_path, client="probe") as probe:  # the announce reached ctx
+            give_up = time.monotonic() + 30
+            while probe.stats().transfers_active < 1:
+                assert time.monotonic() < give_up, "gen's announce never reached ctx"
+                time.sleep(0.005)
         raw.send(_encode(m.Publish(id=3, request_id="r-both", pool="ctx0", layout=ONE, rank=0,
                                    block_ids=ids.block_ids[:2], peer="gen", deadline_s=30))
                  + _encode(m.Wait(id=4, request_id="r-both", timeout_s=30)))
