@@ -473,6 +473,8 @@ _CTX, _GEN = Role.CTX, Role.GEN
     State.ABORTING, State.DEST_OUT, State.DONE, State.FAILED, State.IDLE, State.OFFERED, State.READY,
     State.RECEIVING, State.SENDING)
 _OTHER: dict[Role, Role] = {_CTX: _GEN, _GEN: _CTX}
+#: The states in which the joint failure rules (spread, report, tell) may apply to a pair.
+_TROUBLE = frozenset({_ABORTING, _FAILED})
 #: Local events that only one side produces.
 _LOCAL_ONLY: dict[type[Event], Role] = {PathChosen: Role.CTX, DataOut: Role.CTX, NotifSeen: Role.GEN}
 
@@ -738,9 +740,8 @@ class TransferMachine:
         while changed:
             changed = self._step(out)
 
-    def _step(self, out: list[Action]) -> bool:
-        c, g = self.ctx, self.gen
-        ctx_here, gen_here = _CTX in self.here, _GEN in self.here
+    def _failure_step(self, out: list[Action], gen_here: bool) -> bool:
+        """The joint rules about failures (one applied per call): spread, report, tell."""
         # spread: a side aborting or failed takes the other one down
         for role in self.here:
             me, other = self.side(role), self.side(_OTHER[role])
@@ -767,6 +768,15 @@ class TransferMachine:
                 out.append(SendFail(me.code, me.message, writes_stopped=True))
                 self.fail_sent = True
                 return True
+        return False
+
+    def _step(self, out: list[Action]) -> bool:
+        c, g = self.ctx, self.gen
+        ctx_here, gen_here = _CTX in self.here, _GEN in self.here
+        # the failure rules below only apply once a side is aborting or failed: the usual pass
+        # (nothing failed) skips them (each event runs one to three passes)
+        if (c.state in _TROUBLE or g.state in _TROUBLE) and self._failure_step(out, gen_here):
+            return True
         if ctx_here and gen_here:
             # local path: both ready → copy pool to pool
             if c.state is _READY and g.state is _READY:

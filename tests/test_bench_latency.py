@@ -48,3 +48,56 @@ def test_gen_executors_run_in_their_own_processes_and_report_failures(tmp_path: 
     finally:
         ctx_d.stop()
         gen_d.stop()
+
+
+def test_tiny_geometry_moves_small_blocks_of_the_same_structure(tmp_path: Path) -> None:
+    """``--geometry tiny``: the same layouts (36 layers, 8 heads, ctx TP1 -> gen TP4) with
+    9 KiB blocks, through the same daemons and path: what is left is the control path."""
+    rows = latency.run(tmp_path, [2], 2, mapped=True, geometry=latency.TINY_GEOMETRY)
+    assert [r["order"] for r in rows] == ["gen-first", "ctx-first"]
+    for r in rows:
+        assert r["bytes"] == 2 * 36 * 2 * 8 * 1 * 8 * 2  # two tiny blocks: 1 token of head_dim 8, bf16
+        assert r["path"] == "mapped"
+        assert {"planned", "data_out", "reported"} <= set(r["ctx_stages_s"])
+    assert rows[0]["round_trips"] == [0] and rows[1]["round_trips"] == [1]
+
+
+def test_bench_transfer_options_for_the_control_path() -> None:
+    """``--geometry`` knows its presets; ``--latency-paths`` refuses what is not a path."""
+    import argparse
+
+    from kvd.bench.transfer import _paths, build_parser
+
+    args = build_parser().parse_args(["--geometry", "tiny", "--latency-paths", "mapped"])
+    assert latency.GEOMETRIES[args.geometry] == latency.TINY_GEOMETRY
+    assert args.latency_paths == ["mapped"]
+    assert build_parser().parse_args([]).latency_paths == ["mapped", "nixl"]
+    with pytest.raises(argparse.ArgumentTypeError, match="mapped and/or nixl"):
+        _paths("mapped,bounce")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--geometry", "huge"])
+
+
+def test_latency_ab_alternates_two_trees_and_prints_ratios(capsys: pytest.CaptureFixture[str]) -> None:
+    """``python -m kvd.bench.latency_ab OLD NEW``: each round runs under its own tree (here the
+    same tree twice), old then new, and the summary gives each figure old -> new with its ratio."""
+    from kvd.bench import latency_ab
+
+    tree = str(Path(__file__).resolve().parent.parent)
+    assert latency_ab.main([tree, tree, "--rounds", "1", "--repeat", "2", "--geometry", "tiny",
+                            "--orders", "gen-first"]) == 0
+    out = capsys.readouterr().out
+    assert out.index("round 0 old: gen-first p50") < out.index("round 0 new: gen-first p50")
+    summary = [line for line in out.splitlines() if line.startswith("gen-first, medians over 1 rounds")]
+    assert len(summary) == 1 and "p50" in summary[0] and "gen cpu/req" in summary[0], out
+
+
+def test_latency_ab_refuses_a_tree_without_kvd(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A directory that is not a source tree is refused up front (the editable install would
+    otherwise measure whatever kvd it finds)."""
+    from kvd.bench import latency_ab
+
+    tree = str(Path(__file__).resolve().parent.parent)
+    with pytest.raises(SystemExit):
+        latency_ab.main([str(tmp_path), tree])
+    assert "holds no kvd/ package" in capsys.readouterr().err

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -134,6 +135,61 @@ def test_pipelined_registrations_refused_or_accepted(daemon_factory: Factory) ->
         assert not th.is_alive() and not errors, errors
         assert results["ctx"].ok and results["gen"].ok and results["gen"].path == "local"
         assert ctx.stats().requests_registered == 2
+
+
+def test_a_registration_sent_with_its_wait_gets_both_replies_in_one_write(
+        daemon_factory: Factory, short_tmp: Path) -> None:
+    """publish and wait in one write: the announced mapped request completes in the publish's
+    step, and the Registered reply and the Completion reach the executor together (one read
+    returns both, in order). A wait that cannot be answered yet does not hold the reply back:
+    with the gen side not registered, Registered comes alone and the Completion later."""
+    from protocol.codec import decode_reply
+    from protocol.framing import FrameBuffer
+
+    def read_once(raw: Raw) -> list[m.Message]:
+        return [decode_reply(p) for p in FrameBuffer(1 << 20).feed(raw.sock.recv(1 << 20))]
+
+    pair = start_pair(daemon_factory, short_tmp, ONE, TP2, mapped=True)
+    gens = [Client(pair.gen.socket_path, client=f"gen{r}") for r in range(2)]
+    raw = Raw(pair.ctx.socket_path)
+    try:
+        from kvd.demo.pair import wait_for_link
+
+        wait_for_link(gens[0], "ctx")
+        gen_ids = [c.alloc(f"gen{r}", 2) for r, c in enumerate(gens)]
+        raw.hello()
+        raw.send(_encode(m.Alloc(id=2, pool="ctx0", count=4)))
+        ids = raw.receive()
+        assert isinstance(ids, m.Allocated)
+        for r, c in enumerate(gens):
+            c.expect("r-both", f"gen{r}", TP2, r, gen_ids[r], peer="ctx", deadline_s=30)
+        with Client(pair.ctx.socket_path, client="probe") as probe:  # the announce reached ctx
+            give_up = time.monotonic() + 30
+            while probe.stats().transfers_active < 1:
+                assert time.monotonic() < give_up, "gen's announce never reached ctx"
+                time.sleep(0.005)
+        raw.send(_encode(m.Publish(id=3, request_id="r-both", pool="ctx0", layout=ONE, rank=0,
+                                   block_ids=ids.block_ids[:2], peer="gen", deadline_s=30))
+                 + _encode(m.Wait(id=4, request_id="r-both", timeout_s=30)))
+        registered, done = read_once(raw)
+        assert isinstance(registered, m.Registered) and registered.id == 3, registered
+        assert isinstance(done, m.Completion) and done.id == 4 and done.ok and done.path == "mapped", done
+        for c in gens:
+            assert c.wait("r-both", timeout_s=30).ok
+        # the gen side registers only after the publish: its wait is answered later
+        raw.send(_encode(m.Publish(id=5, request_id="r-later", pool="ctx0", layout=ONE, rank=0,
+                                   block_ids=ids.block_ids[2:], peer="gen", deadline_s=30))
+                 + _encode(m.Wait(id=6, request_id="r-later", timeout_s=30)))
+        assert [(type(r), r.id) for r in read_once(raw)] == [(m.Registered, 5)]
+        for r, c in enumerate(gens):
+            c.expect("r-later", f"gen{r}", TP2, r, gen_ids[r], deadline_s=30)
+        later = raw.receive()
+        assert isinstance(later, m.Completion) and later.id == 6 and later.ok, later
+        raw.ping(7)
+    finally:
+        raw.close()
+        for c in gens:
+            c.close()
 
 
 def _encode(msg: m.Message) -> bytes:

@@ -755,3 +755,49 @@ def test_missing_secret_hint_creates_an_owner_only_file(tmp_path: Path) -> None:
     subprocess.run(["sh", "-c", f"umask 022; {found.group(1)}"], check=True)
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
     assert len(load_secret(path)) == 64
+
+
+# --- corked writes ------------------------------------------------------------------------------
+
+
+async def test_cork_writes_what_a_step_sends_in_one_go() -> None:
+    """Between cork() and uncork() send_nowait only queues; uncork writes the lot in one
+    write, in order (the peer finds every frame there at once). Corks nest; without a cork
+    each message is written as it is sent."""
+    import socket
+
+    a, b = socket.socketpair()
+    b.setblocking(False)  # the peer's end, read here: what has arrived, without waiting
+    conn = PeerConnection(trio.SocketStream(trio.socket.from_stdlib_socket(a)), remote_addr="pair")
+    frames = FrameBuffer(1 << 20)
+
+    def arrived() -> list[object]:
+        try:
+            data = b.recv(1 << 16)
+        except BlockingIOError:
+            return []
+        return [decode_peer(p) for p in frames.feed(data)]
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(conn.run_writer)
+            await trio.testing.wait_all_tasks_blocked()
+            assert conn.takes_nowait
+            conn.cork()
+            conn.cork()
+            assert conn.send_nowait(Ping(payload=b"path", id=1)) and conn.send_nowait(Ping(payload=b"done", id=2))
+            conn.uncork()  # the outer cork still holds
+            assert arrived() == []
+            conn.uncork()
+            assert arrived() == [Ping(payload=b"path", id=1), Ping(payload=b"done", id=2)]
+            assert conn.send_nowait(Ping(payload=b"alone", id=3))  # no cork: at once
+            assert arrived() == [Ping(payload=b"alone", id=3)]
+            # an awaited send while corked takes the held messages first, in order
+            conn.cork()
+            assert conn.send_nowait(Ping(payload=b"held", id=4))
+            await conn.send(Ping(payload=b"awaited", id=5))
+            conn.uncork()
+            assert arrived() == [Ping(payload=b"held", id=4), Ping(payload=b"awaited", id=5)]
+            nursery.cancel_scope.cancel()
+    b.close()
+    await conn.aclose()

@@ -36,6 +36,13 @@ from kvd.demo.pair import GEOMETRY, start_pair
 from protocol.layout import KVLayout
 
 GEN_TP = 4
+#: ``--geometry tiny``: the same layouts and block structure as :data:`GEOMETRY` (36 layers,
+#: 8 KV heads: the same boxes and fragments per block, ctx TP1 -> gen TP4), with one token of
+#: an 8-wide head per block (9 KiB a block at TP1 instead of 2.25 MiB): the copy is then a
+#: few microseconds, and a request's latency is nearly all the host's control work.
+TINY_GEOMETRY: dict[str, Any] = {**GEOMETRY, "head_dim": 8, "tokens_per_block": 1}
+#: The geometries ``kvd bench transfer --geometry`` knows.
+GEOMETRIES: dict[str, dict[str, Any]] = {"gpt-oss-120b": GEOMETRY, "tiny": TINY_GEOMETRY}
 #: Pause between the executors' waits going out and the request completing: the waits then
 #: wait, as in a serving engine (the figure is from the completing call on, not from the pause).
 SETTLE_S = 0.002
@@ -51,9 +58,11 @@ class _Executors:
     (:mod:`kvd.bench.gen_executor`), as a serving engine's TP ranks are: their waits then wake
     in four interpreters, not four threads queueing for one GIL. Blocks are leased once per size."""
 
-    def __init__(self, ctx_d: DaemonProcess, gen_d: DaemonProcess, blocks: int) -> None:
+    def __init__(self, ctx_d: DaemonProcess, gen_d: DaemonProcess, blocks: int,
+                 geometry: dict[str, Any] | None = None) -> None:
         self.blocks = blocks
-        self.ctx_layout = KVLayout(**GEOMETRY, tp_size=1)
+        geometry = GEOMETRY if geometry is None else geometry
+        self.ctx_layout = KVLayout(**geometry, tp_size=1)
         self.ctx = Client(ctx_d.socket_path, client="bench-ctx")
         self.ctx_ids = self.ctx.alloc("ctx0", blocks)
         spawn = mp.get_context("spawn")  # no fork of a process that may hold CUDA state
@@ -63,7 +72,7 @@ class _Executors:
             for r in range(GEN_TP):
                 here, there = spawn.Pipe()
                 proc = spawn.Process(target=gen_executor.serve, name=f"bench-gen{r}", daemon=True,
-                                     args=(str(gen_d.socket_path), r, blocks, GEOMETRY, GEN_TP, there))
+                                     args=(str(gen_d.socket_path), r, blocks, geometry, GEN_TP, there))
                 proc.start()
                 there.close()
                 self.pipes.append(here)
@@ -170,24 +179,27 @@ def _done_lines(d: DaemonProcess) -> dict[str, dict[str, Any]]:
 
 
 def run(workdir: Path, sizes: list[int], repeat: int, *, mapped: bool, memory: str = "host", device: int = -1,
-        gen_device: int | None = None, pipelined: bool = True, busy_poll: str = "auto") -> list[dict[str, Any]]:
+        gen_device: int | None = None, pipelined: bool = True, busy_poll: str = "auto",
+        geometry: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """Measure every size and order on one pair of daemons; one row per (size, order).
 
     Host pools by default; ``memory="auto", device=0, gen_device=1`` puts the ctx pool on GPU 0
     and the four gen pools on GPU 1 (the GPU bench's placement). ``pipelined``: the completing
     executor sends its registration and wait together (see :meth:`_Executors.once`).
-    ``busy_poll``: both daemons' ``transfer.busy_poll``.
+    ``busy_poll``: both daemons' ``transfer.busy_poll``. ``geometry``: the pools' and the
+    requests' KV geometry (default :data:`GEOMETRY`; :data:`TINY_GEOMETRY` measures the
+    control path alone).
     """
     sub = workdir / ("lat-mapped" if mapped else "lat-nixl")
     sub.mkdir()
     ctx_d, gen_d = start_pair(sub, gen_tp=GEN_TP, blocks=max(sizes), bounce_mb=64, chunk_mb=16,
                               memory=memory, device=device, gen_device=gen_device,
-                              extra_transfer={"mapped": mapped, "busy_poll": busy_poll})
+                              extra_transfer={"mapped": mapped, "busy_poll": busy_poll}, geometry=geometry)
     rows: list[dict[str, Any]] = []
     try:
         _wait_for_link(gen_d)  # gen may name ctx only once ctx's link came up (a known peer)
         for blocks in sizes:
-            ex = _Executors(ctx_d, gen_d, blocks)
+            ex = _Executors(ctx_d, gen_d, blocks, geometry)
             try:
                 ex.once(f"warm-{blocks}", True, pipelined)
                 ex.once(f"warm2-{blocks}", False, pipelined)

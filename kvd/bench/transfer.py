@@ -6,7 +6,9 @@ Prints, all measured in the same run:
 - per request size (``--sizes``, in blocks), the end-to-end latency p50/p99 and GB/s, the
   ctx-side stage timings and the peer round trips before data moved, with gen registering
   first (naming its ctx peer) and with ctx publishing first, for the mapped and the NIXL path
-  (:mod:`kvd.bench.latency`; ``--latency-only`` stops there);
+  (:mod:`kvd.bench.latency`; ``--latency-only`` stops there; ``--geometry tiny`` measures it
+  with 9 KiB blocks of the same structure, so the figure is nearly all host control work, and
+  stops there too; ``--latency-paths`` picks the table's paths);
 
 - end to end through the daemons (executor publish -> completion), for the same-node
   ``mapped`` path and for the NIXL bounce pipeline (``mapped`` off);
@@ -30,6 +32,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from kvd.bench import latency
 from kvd.demo.pair import GEOMETRY, Scenario, positive_int, start_pair
 
 MiB = 1 << 20
@@ -100,7 +103,23 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--sizes", type=block_counts, default="1,4,16,64", help="request sizes in blocks for the latency table (default 1,4,16,64)")
     parser.add_argument("--latency-repeat", type=positive_int, default=30, help="requests per size and order (default 30)")
     parser.add_argument("--latency-only", action="store_true", help="print the latency table only")
+    parser.add_argument("--geometry", choices=sorted(latency.GEOMETRIES), default="gpt-oss-120b",
+                        help="KV geometry of the latency table: gpt-oss-120b (default, 2.25 MiB a block) or tiny "
+                             "(the same 36 layers and 8 heads, one token of head_dim 8: 9 KiB a block, so the copy "
+                             "is microseconds and the latency is the control path's host work; implies "
+                             "--latency-only)")
+    parser.add_argument("--latency-paths", type=_paths, default="mapped,nixl",
+                        help="paths of the latency table: mapped, nixl or both (default mapped,nixl)")
     return parser
+
+
+def _paths(text: str) -> list[str]:
+    """An argparse type: ``mapped,nixl`` -> ``["mapped", "nixl"]`` (each known, at least one)."""
+    out = [part.strip() for part in text.split(",") if part.strip()]
+    bad = [p for p in out if p not in ("mapped", "nixl")]
+    if bad or not out:
+        raise argparse.ArgumentTypeError(f"paths are mapped and/or nixl, got {text!r}")
+    return list(dict.fromkeys(out))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -120,17 +139,16 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="kvd-bench-", dir="/tmp"))
     sizes = args.sizes
     try:
-        from kvd.bench import latency
-
-        lat = {name: latency.run(workdir, sizes, args.latency_repeat, mapped=m)
-               for name, m in (("mapped", True), ("nixl", False))}
+        geometry = latency.GEOMETRIES[args.geometry]
+        lat = {name: latency.run(workdir, sizes, args.latency_repeat, mapped=name == "mapped", geometry=geometry)
+               for name in args.latency_paths}
         if not args.json:
             for name, lat_rows in lat.items():
                 latency.print_rows(f"kvd bench transfer: latency, {name} path, ctx TP1 -> gen TP4, host pools, "
-                                   f"{args.latency_repeat} requests per row", lat_rows)
-        if args.latency_only:
+                                   f"{args.geometry} geometry, {args.latency_repeat} requests per row", lat_rows)
+        if args.latency_only or args.geometry != "gpt-oss-120b":
             if args.json:
-                print(json.dumps({"latency": lat}, indent=2))
+                print(json.dumps({"geometry": geometry, "latency": lat}, indent=2))
             return 0
         mapped = _e2e(workdir, args.blocks, args.repeat, True, args.chunk_mb, args.bounce_mb)
         nixl = _e2e(workdir, args.blocks, args.repeat, False, args.chunk_mb, args.bounce_mb)

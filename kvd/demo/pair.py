@@ -50,16 +50,19 @@ def write_secret(directory: Path) -> str:
 def start_pair(
     workdir: Path, *, gen_tp: int, ctx_tp: int = 1, blocks: int, bounce_mb: int, chunk_mb: int, memory: str = "host",
     device: int = -1, gen_device: int | None = None, extra: dict[str, Any] | None = None,
-    extra_transfer: dict[str, Any] | None = None,
+    extra_transfer: dict[str, Any] | None = None, geometry: dict[str, Any] | None = None,
 ) -> tuple[DaemonProcess, DaemonProcess]:
-    """Start the gen daemon, then the ctx daemon configured with gen as its peer."""
+    """Start the gen daemon, then the ctx daemon configured with gen as its peer (pools of
+    ``geometry``, default :data:`GEOMETRY`)."""
     secret = write_secret(workdir)
     transfer = {"bounce_size_mb": bounce_mb, "chunk_mb": chunk_mb, "deadline_s": 120.0, **(extra_transfer or {})}
     common = {"peer_secret_file": secret, "transfer": transfer, **(extra or {})}
 
+    geo = GEOMETRY if geometry is None else geometry
+
     def pools(prefix: str, tp: int, dev: int) -> list[dict[str, Any]]:
         return [
-            {"name": f"{prefix}{r}", "memory": memory, "device": dev, **GEOMETRY, "tp_size": tp, "rank": r,
+            {"name": f"{prefix}{r}", "memory": memory, "device": dev, **geo, "tp_size": tp, "rank": r,
              "num_blocks": blocks}
             for r in range(tp)
         ]

@@ -96,6 +96,13 @@ class SessionConnection:
         # step of whoever reported the request and leave the rest to a task (kvd.executor.waits)
         self._send_lock = trio.Semaphore(1)
         self._frames = FrameBuffer(daemon.config.limits.max_frame_size)
+        # replies held by cork() until the reply it waits for (or flush()): a registration
+        # sent with its wait gets both replies in one write (one syscall here, one wake-up of
+        # the executor); what their sends would have run after the registration's reply waits
+        # for run_held() (the data path starts once the wait is registered)
+        self._cork: list[bytes] | None = None
+        self._cork_until = 0
+        self._held_then: list[Callable[[], None]] = []
 
     @property
     def reply_limit(self) -> int:
@@ -123,6 +130,11 @@ class SessionConnection:
         if self._send_lock.value == 0:
             return None
         data, _ = self._encode(msg)
+        if self._cork is not None:  # goes out with the replies before it
+            self._cork.append(data)
+            if msg.id != self._cork_until:
+                return b""
+            data, self._cork = b"".join(self._cork), None  # the last one held for: all go now
         sent = self._write_now(data)
         if sent == len(data):
             return b""
@@ -143,7 +155,8 @@ class SessionConnection:
         """Write one reply (with optional fds) atomically with respect to other replies.
 
         ``then`` runs once the reply is written, or before awaiting the socket when it cannot
-        be written at once (never after a checkpoint). A reply too large for one frame fails
+        be written at once (never after a checkpoint); while replies are held (:meth:`cork`),
+        :meth:`run_held` runs it. A reply too large for one frame fails
         its request with ``reply_too_large`` (the session goes on) instead of breaking the
         connection.
         """
@@ -155,6 +168,17 @@ class SessionConnection:
             raise
         if not whole:
             fds = None
+        if self._cork is not None:
+            if then is not None:
+                self._held_then.append(then)  # run_held() runs it
+                then = None
+            if not fds and self._send_lock.value:
+                self._cork.append(data)  # written in order with the held ones
+                if msg.id != self._cork_until:
+                    return
+                data, self._cork = b"".join(self._cork), None  # the last one held for: all go now
+            else:
+                await self.flush()  # fds ride on their own frame's first byte: the held ones go first
         if not fds and self._send_lock.value:
             # no other reply under way: straight into the socket, without the two scheduler
             # passes (lock, send) an awaited write costs (~30-100 us each on a busy host); what
@@ -175,6 +199,47 @@ class SessionConnection:
             then()
         async with self._send_lock:
             await send_with_fds(self.stream.socket, data, fds or [])
+
+    @property
+    def corked(self) -> bool:
+        """Replies are being held (:meth:`cork`)."""
+        return self._cork is not None
+
+    def cork(self, until: int) -> None:
+        """Hold the replies from now on until the reply to request ``until`` comes (then all of
+        them are written in one go, in the step that answers it) or :meth:`flush`. The ``then``
+        of a reply sent meanwhile waits for :meth:`run_held`."""
+        if self._cork is None:
+            self._cork = []
+        self._cork_until = until
+
+    def run_held(self) -> None:
+        """Run what the replies sent while corked would have run once written (see
+        :meth:`send`'s ``then``), in order; call it before :meth:`flush`, and when the session
+        ends (a registration's data path must not be left behind)."""
+        while self._held_then:
+            self._held_then.pop(0)()
+
+    async def flush(self) -> None:
+        """Write the replies :meth:`cork` held, in order (straight into the socket when no
+        other reply is under way, else after it, under the send lock), and stop holding."""
+        held, self._cork = self._cork, None
+        if not held:
+            return
+        data = b"".join(held)
+        if self._send_lock.value:
+            sent = self._write_now(data)
+            if sent == len(data):
+                return
+            data = data[sent:]
+            self._send_lock.acquire_nowait()  # no checkpoint since the check
+            try:
+                await send_rest(self.stream.socket, data)
+            finally:
+                self._send_lock.release()
+            return
+        async with self._send_lock:
+            await send_rest(self.stream.socket, data)
 
     def _write_now(self, data: bytes) -> int:
         """Bytes of ``data`` the socket took without blocking (0 when it would block; an error
@@ -380,22 +445,48 @@ async def _serve_session(daemon: Daemon, conn: SessionConnection, first: list[by
                     if pending is None:
                         return
                 frames, pending = pending, None
-                for payload in frames:
-                    try:
-                        msg = decode_request(payload)
-                    except KvdError as exc:
-                        # one rate-limited line: a client can send malformed frames at will
-                        _throttle.warning("session.bad_frame", reason=clip_text(exc.message), handshaken=True)
-                        await conn.send_error(request_id_of(payload), exc)
-                        continue
+                ahead: m.Message | None = None  # the next frame, decoded already
+                for i, payload in enumerate(frames):
+                    msg, ahead = ahead, None
+                    if msg is None:
+                        try:
+                            msg = decode_request(payload)
+                        except KvdError as exc:
+                            # one rate-limited line: a client can send malformed frames at will
+                            _throttle.warning("session.bad_frame", reason=clip_text(exc.message), handshaken=True)
+                            await conn.send_error(request_id_of(payload), exc)
+                            continue
                     if isinstance(msg, m.Hello):
                         await conn.send_error(msg.id, ProtocolError("Hello sent twice"))
                         continue
                     mark("session.request", type(msg).__name__)
+                    if isinstance(msg, m.Publish | m.Expect) and i + 1 < len(frames):
+                        ahead = _wait_for(msg.request_id, frames[i + 1])
+                        if ahead is not None:
+                            # registration and wait sent together (publish_and_wait): the wait
+                            # is registered before the registration's data path starts, and
+                            # both replies go out together when it is answered, in the step
+                            # that reports the request (or when the wait is left pending)
+                            conn.cork(until=ahead.id)
                     await _dispatch(daemon, conn, waits, msg)
+                    if ahead is None:
+                        conn.run_held()  # the registration's data path, once its wait is registered
+                        if conn.corked:
+                            await conn.flush()
         finally:
+            conn.run_held()  # a registration's data path runs even if its session ends now
             waits.close()
             nursery.cancel_scope.cancel()
+
+
+def _wait_for(request_id: str, payload: bytes) -> m.Wait | None:
+    """``payload`` decoded when it is a wait for ``request_id`` (else None: it is decoded, and
+    a bad frame answered, in its turn)."""
+    try:
+        msg = decode_request(payload)
+    except KvdError:
+        return None
+    return msg if isinstance(msg, m.Wait) and msg.request_id == request_id else None
 
 
 async def _dispatch(daemon: Daemon, conn: SessionConnection, waits: Waits, msg: m.Message) -> None:

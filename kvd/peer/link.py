@@ -122,6 +122,7 @@ class PeerConnection:
         self._outbox: list[bytes] = []
         self._outbox_ready = trio.Event()
         self._writer_running = False
+        self._corked = 0  # cork() depth: send_nowait only queues, uncork() writes the lot
         #: Why the writer stopped, if a write failed (the link is closed then).
         self.write_error = ""
         self._receiving = False
@@ -196,6 +197,9 @@ class PeerConnection:
         if not self.takes_nowait:
             return False
         data = encode_peer(msg, self._max_frame_size)
+        if self._corked:  # written with what follows it in this step (uncork)
+            self._outbox.append(data)
+            return True
         if not self._outbox and not self._send_lock.locked():
             # nothing queued and no write under way: straight into the socket (what it does
             # not take now is queued, first in line, for the writer)
@@ -205,6 +209,28 @@ class PeerConnection:
         self._outbox.append(data)
         self._outbox_ready.set()
         return True
+
+    def cork(self) -> None:
+        """Hold what :meth:`send_nowait` takes until the matching :meth:`uncork`, which writes
+        it in one go: messages a step sends one after the other (a transfer's path message and
+        its data-done) cost one write and one wake-up of the peer instead of one each. Call
+        both in one step (no checkpoint between them)."""
+        self._corked += 1
+
+    def uncork(self) -> None:
+        """End a :meth:`cork`: what it held goes into the socket now (what the socket does not
+        take, and everything while another write is under way, is left to the writer)."""
+        self._corked -= 1
+        if self._corked or not self._outbox:
+            return
+        if not self._send_lock.locked():
+            data = b"".join(self._outbox)
+            self._outbox.clear()
+            data = data[self._write_now(data):]
+            if not data:
+                return
+            self._outbox.append(data)
+        self._outbox_ready.set()
 
     def _write_now(self, data: bytes) -> int:
         """Bytes of ``data`` the stream's socket took without blocking (0 when it has none,

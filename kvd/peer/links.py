@@ -107,6 +107,15 @@ class PeerLink:
         :meth:`send`); False when it cannot be queued now (use :meth:`send`)."""
         return self.conn.send_nowait(msg)
 
+    def cork(self) -> None:
+        """Hold the messages :meth:`send_nowait` takes until :meth:`uncork` (same step), which
+        writes them together (:meth:`PeerConnection.cork`)."""
+        self.conn.cork()
+
+    def uncork(self) -> None:
+        """Write what :meth:`cork` held."""
+        self.conn.uncork()
+
     async def send(self, msg: x.XferMessage) -> None:
         """Send a transfer-control message; a broken link raises ``PeerUnavailable``."""
         try:

@@ -219,14 +219,13 @@ def add_registration(
     role: Role,
     deadline: float,
 ) -> Side:
-    """Validate ``msg`` and add it to ``side`` (or start a new side); returns the side.
+    """Validate ``msg`` and add it to ``side`` (or start a new side); returns the side. The
+    caller checked already that the blocks are leased to ``session``, each listed once
+    (``pool.blocks.check_leased``, the registration's first check).
 
     Nothing changes when it raises.
     """
     layout = check_pool_matches(pool, msg.layout, msg.rank)
-    pool.blocks.check_leased(session.id, msg.block_ids)
-    if len(set(msg.block_ids)) != len(msg.block_ids):
-        raise BadRequest(f"request {msg.request_id!r}: block ids repeat")
     if not msg.block_ids:
         raise BadRequest(f"request {msg.request_id!r}: no blocks given")
     ranks = tuple(sorted(set(msg.ranks))) if msg.ranks is not None else tuple(range(layout.world_size))

@@ -227,6 +227,7 @@ class Transfer:
         self._deferred: list[f.Action] = []  # actions of events fed meanwhile: they go after
         self._backlog: list[x.XferMessage] | None = None  # messages waiting for the link, in order
         self.uses_nixl = False  # its path moves bytes over NIXL (told to the engine once)
+        self._corked: PeerLink | None = None  # the link held while the data path starts inline
 
     @property
     def _notifs_tx(self) -> trio.MemorySendChannel[x.Notif]:
@@ -584,6 +585,7 @@ class Transfer:
         """Carry out ``a`` if it involves no peer message (reports, starting or aborting a data
         task); False for a message to send."""
         if isinstance(a, f.Report):
+            self._uncork()  # the peer has what this step sent it before the report's work
             self._report(a)
         elif isinstance(a, f.StartData):
             if a.path is None:
@@ -837,6 +839,14 @@ class Transfer:
     def _start_send_now(self) -> None:
         if self.machine.state(f.Role.CTX) is not f.State.SENDING:
             return  # failed or cancelled before it started: nothing was written, nothing will be
+        links = self.env.links()
+        link = links.links.get(self.peer) if links is not None else None
+        if link is not None:
+            # the path message and, when the data is out in this step, the data-done message
+            # go to the peer in one write: one wake-up of the peer, not two (written before
+            # the side reports: see _act_local)
+            link.cork()
+            self._corked = link
         try:
             if self._send_now():
                 return
@@ -844,7 +854,15 @@ class Transfer:
             with structlog.contextvars.bound_contextvars(request_id=self.request_id):
                 self._fail_task(f.Role.CTX, exc)
             return
+        finally:
+            self._uncork()
         self._start(self._send_task)
+
+    def _uncork(self) -> None:
+        """Write the messages held since :meth:`_start_send_now` corked the link."""
+        link, self._corked = self._corked, None
+        if link is not None:
+            link.uncork()
 
     def _send_started(self) -> tuple[Side, PeerLink]:
         side = self.sides[f.Role.CTX]
