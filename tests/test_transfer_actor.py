@@ -101,3 +101,31 @@ async def test_a_deadline_moved_while_the_actor_sleeps_expires_the_side_then(
     assert ended == [t] and len(reports) == 1 and not reports[0].ok
     assert reports[0].error_code == "transfer_timeout" and "never registered" in reports[0].error_message
     assert trio.current_time() - start == 5
+
+
+async def test_a_send_task_that_starts_after_its_side_was_cancelled_does_nothing() -> None:
+    """ctx's data path starts as a task; its side is cancelled before the task's first step.
+    The task must see that and end quietly: no path chosen, no write, no second outcome (it
+    went on to the link and failed with 'task_failed_after_end' once the request was settled)."""
+    import structlog.testing
+
+    reports: list[m.Completion] = []
+    ended: list[Transfer] = []
+    env = Env(node="ctx", cfg=TransferConfig(), nixl=lambda: None, links=lambda: None, staging=lambda: None,
+              on_report=lambda t, side, c: reports.append(c), on_finished=ended.append)
+    t = Transfer(env, "r-cancel", "gen", {f.Role.CTX})
+    t.sides[f.Role.CTX] = Side(request_id="r-cancel", role="ctx", layout=ONE, ranks=(0,), peer="gen",
+                               deadline=math.inf)
+    with structlog.testing.capture_logs() as logs:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(t.run)
+            await trio.testing.wait_all_tasks_blocked()
+            t.feed(f.DestinationReceived(f.Role.GEN, announced=True))
+            t.feed(f.SideComplete(f.Role.CTX, peer_named=True))  # both ready: the data task is started
+            assert t.machine.state(f.Role.CTX) is f.State.SENDING
+            t.feed(f.Cancel(f.Role.CTX, "cancelled by its executor"))  # before the task ran
+            assert t.machine.finished
+    assert [c.ok for c in reports] == [False] and reports[0].error_code == "transfer_cancelled"
+    assert t.machine.path is None  # no path was chosen
+    assert ended == [t]
+    assert not [e for e in logs if e["event"] in ("transfer.task_failed_after_end", "transfer.internal_error")], logs

@@ -969,8 +969,14 @@ class Transfer:
 
     async def _send_task(self) -> None:
         async def body() -> None:
+            # the side can fail or be cancelled before this task's first step, and while a
+            # worker thread plans (a thread is not cancelled): nothing written, nothing will be
+            if self.machine.state(f.Role.CTX) is not f.State.SENDING:
+                return
             side, link = self._send_started()
             p = await self._get_plan()
+            if self.machine.state(f.Role.CTX) is not f.State.SENDING:
+                return
             job = self._send_job(side, link, p)
             self._sent(side, await self._choose_and_send(job, link, p))
 
