@@ -404,8 +404,9 @@ class Engine:
             if any(p.session is session for t2 in found for side in t2.sides.values() for p in side.parts.values()):
                 return  # this session's request, already ended and collected: nothing to cancel
             if not msg.force:
-                raise PermissionDenied(f"request {rid!r} was registered by another session; "
-                                       "only it (or an operator with force) may cancel it")
+                raise PermissionDenied(f"request {rid!r} is not registered by this session (another session "
+                                       "registered it; a registration that was refused registers nothing): only "
+                                       "the registering session, or an operator with force, may cancel it")
             if not session.operator:  # root, the daemon's uid, or [access] operator_gids
                 raise PermissionDenied(f"uid {session.uid} is not an operator")
             t = found[0]
