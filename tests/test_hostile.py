@@ -312,7 +312,9 @@ def test_idle_connections_cannot_lock_anyone_out(daemon_factory: Factory, short_
             # ...but sessions are untouched, and an operator still gets in (the reserve)
             assert before.ping(b"x") == b"x"
             with Client(d.socket_path, client="operator", timeout=IO_TIMEOUT) as op:
-                assert op.stats().sessions == 2
+                # no idle connection became a session: "before" and ours (the baseline's probe
+                # hung up earlier; the daemon ends its session once it reads that)
+                wait_until(lambda: op.stats().sessions == 2, "the sessions to be before's and ours")
             proc.stdin.write("go\n")
             proc.stdin.flush()
             codes = json.loads(proc.stdout.readline())
