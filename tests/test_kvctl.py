@@ -587,13 +587,19 @@ def test_lists_follow_the_pages_to_the_end(daemon_factory: Callable[..., DaemonP
         run = kvctl("transfers", "--offset", "9", socket=d.socket_path)
         assert run.returncode == 0 and run.stdout.splitlines()[0] == "transfers: none at offset 9 (7 in all)"
 
-        # sessions: the four holders and kvctl's own session, in pages of one
+        # sessions: the four holders and kvctl's own session, in pages of one (the earlier kvctl
+        # runs have exited; the daemon ends their sessions when it reads the hang-ups)
+        def holders_only() -> None:
+            _until(lambda: holders[0].stats().sessions == 4, "the earlier kvctl sessions to end")
+
+        holders_only()
         sessions = ok_json("sessions", "--page-size", "1", socket=d.socket_path)
         names = [s["client"] for s in sessions]
         assert names[:4] == [f"holder-{i}" for i in range(4)] and names[4] == "kvctl"
         assert len(names) == 5
         window = ok_json("sessions", "--offset", "1", "--limit", "2", "--page-size", "1", socket=d.socket_path)
         assert [s["client"] for s in window] == ["holder-1", "holder-2"]
+        holders_only()
         run = kvctl("sessions", "--limit", "2", socket=d.socket_path)
         assert run.returncode == 0 and run.stdout.splitlines()[0] == "sessions 1-2 of 5"
         assert "holder-0" in run.stdout and "holder-1" in run.stdout and "holder-2" not in run.stdout
