@@ -100,6 +100,24 @@ async def test_deadline_expiry_when_gen_never_expects(daemon_factory: Factory, s
     await assert_clean(pair.ctx, pair.gen)
 
 
+async def test_local_publish_whose_gen_side_never_expects_says_so(daemon_factory: Factory) -> None:
+    """ctx names its own daemon as the peer (the local path) and no gen executor ever expects
+    the request: a timeout that says the gen side never registered here, not a peer link down."""
+    from tests.transfer_harness import pools_for
+
+    solo = daemon_factory({"pools": pools_for("ctx", CTX, 16) + pools_for("gen", GEN, 16)}, name="solo")
+    async with open_client(solo.socket_path, client="ctx0") as c:
+        ids = await c.alloc("ctx0", 4)
+        await c.publish("r-local", "ctx0", CTX, 0, ids, peer="solo", deadline_s=1.0)
+        with pytest.raises(TransferTimeout) as info:
+            await c.wait("r-local")
+    msg = info.value.message
+    assert msg.startswith("request 'r-local' (ctx side) missed its deadline of 1 s: no gen executor expected it on "
+                          "this daemon (peer 'solo' is this daemon: the local path)"), msg
+    assert "no link to peer" not in msg
+    await assert_clean(solo)
+
+
 def _dead_port() -> socket.socket:
     """A socket bound to a 127.0.0.1 port that never listens: a connect there is refused (kept
     open by the caller so that no one else takes the port meanwhile)."""

@@ -118,10 +118,12 @@ class Engine:
                                        deliver=self.deliver, link_up=self.link_up, link_lost=self.link_lost)
                 self.peer_port = await nursery.start(self.links.run)
                 # one poller for the agent's life: without NIXL's progress thread it also drives
-                # UCX; it spins while transfers run over NIXL and backs off otherwise
+                # UCX; it spins while transfers run over NIXL and backs off otherwise. Where the
+                # loop may not spin (busy_poll off: few cores) it spins politely, yielding the
+                # CPU every round to the worker threads that copy host chunks and post writes
                 nursery.start_soon(partial(poll_notifications, transport.agent, self._on_notif,
-                                           hot=lambda: bool(self._nixl_live), idle_max=0.05,
-                                           wakeup=lambda: self._wake))
+                                           hot=lambda: bool(self._nixl_live), polite=not self.busy_poll,
+                                           idle_max=0.05, wakeup=lambda: self._wake))
                 if self.busy_poll:
                     nursery.start_soon(self._busy_poll)
                 task_status.started()

@@ -471,7 +471,13 @@ class Transfer:
                 continue
             links = self.env.links()
             if role is f.Role.CTX and st in (f.State.READY, f.State.OFFERED):
-                if links is not None and self.peer not in links.links:
+                if self.peer == self.env.node:
+                    # the local path: the gen side lives here and never registered
+                    self.feed(f.LocalFailure(role, TransferTimeout.code,
+                                             f"{name}: no gen executor expected it on this daemon (peer "
+                                             f"{self.peer!r} is this daemon: the local path); check that the gen "
+                                             f"executors are running and expect this request id here, {more}"))
+                elif links is not None and self.peer not in links.links:
                     self.feed(f.LocalFailure(role, PeerUnavailable.code,
                                              f"{name}: {links.describe_missing(self.peer)}; "
                                              f"{links.down_hint(self.peer)}"))
