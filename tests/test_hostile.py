@@ -493,9 +493,14 @@ def test_a_reply_too_large_fails_the_request_not_the_session(daemon_factory: Fac
         assert isinstance(page, m.TransfersReply) and page.total == n, page
         seen += [t.request_id for t in page.transfers]
     assert sorted(seen) == rids
-    raw.close()  # the session's requests are cancelled and its block returned
+    # before the hang-up: once the daemon reads it, each of the session's requests fails with
+    # a transfer.failed warning of its own, written while the test would be reading the log
     _one_warning(base, "session.reply_too_large")
-    base.check()
+    raw.close()  # the session's requests are cancelled and its block returned
+    base.check()  # (idle: every request reported, so every line of theirs is written)
+    failed = [r for r in base.new_warnings() if r["event"] != "session.reply_too_large"]
+    assert {(r["event"], r["code"]) for r in failed} == {("transfer.failed", "transfer_cancelled")}
+    assert sorted(r["request_id"] for r in failed) == rids
 
 
 # --- 9. a flood of wrong-secret handshakes ---------------------------------------------------------
