@@ -668,6 +668,36 @@ async def test_a_writer_cancelled_before_it_writes_leaves_its_frames_to_the_good
     await cb.aclose()
 
 
+async def test_a_send_cancelled_while_it_waits_puts_the_frames_it_took_back() -> None:
+    """send() takes the frames queued before it (they go first), then waits for a write under
+    way; cancelled there (a heartbeat when the daemon stops), it wrote nothing and puts them
+    back first in line: the writer sends them."""
+    ca, cb = await _socket_pair()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(ca.run_writer)
+        await trio.testing.wait_all_tasks_blocked()
+        await ca._send_lock.acquire()  # a write under way
+        assert ca.send_nowait(Ping(payload=b"queued"))
+        waiting = trio.CancelScope()
+        nursery.start_soon(_send_in, waiting, ca, Ping(payload=b"beat"))
+        await trio.testing.wait_all_tasks_blocked()  # it took "queued" and waits for the lock
+        waiting.cancel()
+        await trio.testing.wait_all_tasks_blocked()
+        ca._send_lock.release()
+        with trio.fail_after(10):  # (it was dropped: nothing ever came)
+            assert (await cb.receive()).payload == b"queued"  # type: ignore[attr-defined]
+        nursery.cancel_scope.cancel()
+    await ca.aclose("bye")
+    with pytest.raises(ConnectionClosed, match="bye"):  # and "beat" never went out
+        await cb.receive()
+    await cb.aclose()
+
+
+async def _send_in(scope: trio.CancelScope, conn: PeerConnection, msg: Ping) -> None:
+    with scope:
+        await conn.send(msg)
+
+
 async def test_flush_returns_once_the_queued_frames_are_written() -> None:
     """A frame queued behind a write under way is in the stream once flush returns: the
     writer cancelled right after cannot lose it (a stopping daemon flushes its links)."""

@@ -160,11 +160,20 @@ class PeerConnection:
         data = encode_peer(msg, self._max_frame_size)
         if self._closed_by_us:
             raise ConnectionClosed(f"link to {self.describe()} was closed by us", by_peer=False)
-        if self._outbox:  # what was queued before this call goes first (taken now: what is
-            data = b"".join([*self._outbox, data])  # queued while we wait for the lock is later)
-            self._outbox.clear()
-        async with self._send_lock:
-            await self._write(data)
+        # what was queued before this call goes first (taken now: what is queued while we wait
+        # for the lock is later)
+        taken, self._outbox = self._outbox, []
+        writing = False
+        try:
+            async with self._send_lock:
+                await trio.lowlevel.checkpoint_if_cancelled()
+                writing = True  # no checkpoint before send_all starts writing
+                await self._write(b"".join([*taken, data]))
+        except BaseException:
+            if not writing and taken:  # cancelled before a byte went out: first in line again
+                self._outbox[:0] = taken
+                self._outbox_ready.set()
+            raise
 
     async def flush(self) -> None:
         """Return once every frame :meth:`send_nowait` queued before the call is written to the
