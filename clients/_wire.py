@@ -7,6 +7,7 @@ the socket calls differ. Replies of type ``Error`` become the daemon's exception
 from __future__ import annotations
 
 import array
+import math
 import os
 import socket
 import stat
@@ -14,8 +15,9 @@ from collections.abc import Sequence
 from typing import TypeVar
 
 from protocol import messages as m
-from protocol.errors import ConnectionClosed, ProtocolError, error_from_code
+from protocol.errors import BadRequest, ConnectionClosed, ProtocolError, error_from_code
 from protocol.layout import KVLayout
+from protocol.limits import MAX_DEADLINE_S, MAX_REQUEST_ID_LEN
 
 T = TypeVar("T", bound=m.Message)
 
@@ -33,10 +35,26 @@ def default_socket_path() -> str:
 CLIENT_GIVE = "Client(path) / open_client(path) or KVD_SOCKET"
 
 
+#: Longest Unix socket path, in bytes (``sun_path`` is 108 bytes with its terminating NUL).
+MAX_SOCKET_PATH = 107
+
+
+def socket_path_too_long(path: str) -> str:
+    """Why ``path`` cannot be a Unix socket ("" if it can): Python's own error says only
+    "AF_UNIX path too long", with no errno and no limit."""
+    size = len(os.fsencode(path))
+    if size <= MAX_SOCKET_PATH:
+        return ""
+    return (f"the path is {size} bytes long, and a Unix socket path holds at most {MAX_SOCKET_PATH}: no "
+            "daemon can listen there; give the daemon's real socket_path (a short one, e.g. under /run)")
+
+
 def unreachable_hint(path: str, give: str = CLIENT_GIVE) -> str:
     """What to do when the socket at ``path`` cannot be opened (connect() says only errno).
 
     ``give`` names how the caller passes the socket path (an argument, an option)."""
+    if too_long := socket_path_too_long(path):
+        return too_long
     if not os.path.exists(path):
         return f"is kvd running with this socket_path? Give its socket with {give} (default /run/kvd/kvd.sock)"
     if not stat.S_ISSOCK(os.stat(path).st_mode):
@@ -50,6 +68,17 @@ def unreachable_hint(path: str, give: str = CLIENT_GIVE) -> str:
                 "its group ([access] in its configuration widens that)")
     return ("a socket file is there but no daemon answers: a killed daemon leaves it behind; one "
             "that is starting answers soon (kvctl ping --wait SECONDS)")
+
+
+#: What an executor does when its daemon went away in the middle of a session.
+LOST_HINT = ("the daemon stopped or was killed (its log or `journalctl -u kvd` says why); this session's "
+             "leases and requests ended with it: open a new Client once kvd answers again "
+             "(kvctl ping --wait SECONDS)")
+
+
+def connection_lost(what: str) -> ConnectionClosed:
+    """The daemon's end of a session went away: ``what`` happened, and what to do about it."""
+    return ConnectionClosed(f"{what}; {LOST_HINT}", by_peer=True)
 
 
 class SocketUnreachable(ConnectionClosed):
@@ -82,6 +111,31 @@ def fds_from_ancillary(ancdata: list[tuple[int, int, bytes]]) -> list[int]:
     return fds
 
 
+def check_arguments(request_id: str, *, deadline_s: float | None = None, timeout_s: float | None = None) -> None:
+    """Refuse, before anything is sent, the arguments the daemon's decoder would refuse as a
+    malformed message (a ``protocol`` error, which reads like a broken wire): ``BadRequest``
+    naming the argument, its bounds and what leaving it out means."""
+    if not isinstance(request_id, str) or not 0 < len(request_id) <= MAX_REQUEST_ID_LEN:
+        raise BadRequest(f"request_id must be a non-empty string of at most {MAX_REQUEST_ID_LEN} characters, "
+                         f"got {request_id!r:.80}")
+    for name, value, positive, unset in (
+        ("deadline_s", deadline_s, True, "None takes the daemon's [transfer] deadline_s"),
+        ("timeout_s", timeout_s, False, "None waits until the request ends"),
+    ):
+        if value is None:
+            continue
+        number = isinstance(value, int | float) and math.isfinite(value)
+        if not number or not (value > 0 if positive else value >= 0) or value > MAX_DEADLINE_S:
+            raise BadRequest(f"{name} must be a number of seconds {'> 0' if positive else '>= 0'} and at most "
+                             f"{MAX_DEADLINE_S:g}, got {value!r}; {unset}")
+
+
+def wait_request(id: int, request_id: str, timeout_s: float | None) -> m.Wait:
+    """The ``Wait`` both clients send."""
+    check_arguments(request_id, timeout_s=timeout_s)
+    return m.Wait(id=id, request_id=request_id, timeout_s=timeout_s)
+
+
 def expect_request(
     id: int,
     request_id: str,
@@ -94,6 +148,7 @@ def expect_request(
     peer: str = "",
 ) -> m.Expect:
     """The ``Expect`` both clients send (gen side registration)."""
+    check_arguments(request_id, deadline_s=deadline_s)
     return m.Expect(id=id, request_id=request_id, pool=pool, layout=layout, rank=rank,
                     block_ids=list(block_ids), ranks=ranks, deadline_s=deadline_s, peer=peer)
 
@@ -110,6 +165,7 @@ def publish_request(
     deadline_s: float | None,
 ) -> m.Publish:
     """The ``Publish`` both clients send (ctx side registration)."""
+    check_arguments(request_id, deadline_s=deadline_s)
     return m.Publish(id=id, request_id=request_id, pool=pool, layout=layout, rank=rank,
                      block_ids=list(block_ids), peer=peer, ranks=ranks, deadline_s=deadline_s)
 

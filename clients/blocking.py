@@ -22,10 +22,12 @@ from clients._wire import (
     SocketUnreachable,
     check_reply,
     completion_or_raise,
+    connection_lost,
     default_socket_path,
     expect_request,
     fds_from_ancillary,
     publish_request,
+    wait_request,
 )
 from protocol import messages as m
 from protocol.codec import decode_reply, encode
@@ -100,12 +102,12 @@ class Client:
                     f"the daemon did not answer within {self._sock.gettimeout()} s (this Client's timeout); "
                     "give Client a larger timeout, or None", by_peer=False) from None
             except OSError as exc:
-                raise ConnectionClosed(f"connection to the daemon broke: {exc}", by_peer=True) from None
+                raise connection_lost(f"connection to the daemon broke: {exc}") from None
             fds = fds_from_ancillary(anc)
             if not data:
                 for fd in fds:
                     os.close(fd)
-                raise ConnectionClosed("the daemon closed the connection", by_peer=True)
+                raise connection_lost("the daemon closed the connection")
             for i, payload in enumerate(self._frames.feed(data)):
                 self._ready.append((decode_reply(payload), fds if i == 0 else []))
         return self._ready.pop(0)
@@ -115,7 +117,7 @@ class Client:
             try:
                 self._sock.sendall(encode(msg))
             except OSError as exc:
-                raise ConnectionClosed(f"cannot send to the daemon: {exc}", by_peer=True) from None
+                raise connection_lost(f"cannot send to the daemon: {exc}") from None
             reply, fds = self._receive_reply(msg.id)
         try:
             return check_reply(reply, expected), fds
@@ -138,12 +140,12 @@ class Client:
     def _register_and_wait(self, msg: m.Expect | m.Publish, timeout_s: float | None) -> m.Completion:
         """Send the registration and its wait in one write, then read both replies: the
         daemon takes the wait as soon as the registration is done, with no client turn between."""
-        wait = m.Wait(id=self._id(), request_id=msg.request_id, timeout_s=timeout_s)
+        wait = wait_request(self._id(), msg.request_id, timeout_s)
         with self._lock, self._patience(timeout_s):
             try:
                 self._sock.sendall(encode(msg) + encode(wait))
             except OSError as exc:
-                raise ConnectionClosed(f"cannot send to the daemon: {exc}", by_peer=True) from None
+                raise connection_lost(f"cannot send to the daemon: {exc}") from None
             registered, fds = self._receive_reply(msg.id)
             _close_all(fds)
             # a refused registration raises here; its wait's reply (an error) is dropped later
@@ -320,9 +322,11 @@ class Client:
     def wait(self, request_id: str, timeout_s: float | None = None) -> m.Completion:
         """Wait for the transfer; returns its Completion, raises its error if it failed.
 
-        ``timeout_s`` passing raises :class:`~protocol.errors.WaitTimeout`; the transfer goes on.
+        ``timeout_s`` passing raises :class:`~protocol.errors.WaitTimeout`; the transfer goes on
+        (its own bound is the registration's ``deadline_s``). The outcome is reported once: a later
+        wait for the same request raises ``NotFound`` saying it ended.
         """
-        msg = m.Wait(id=self._id(), request_id=request_id, timeout_s=timeout_s)
+        msg = wait_request(self._id(), request_id, timeout_s)
         with self._lock, self._patience(timeout_s):  # the lock is reentrant: _call takes it too
             reply = self._call(msg, m.Completion)
         return completion_or_raise(reply)

@@ -26,14 +26,16 @@ from clients._wire import (
     SocketUnreachable,
     check_reply,
     completion_or_raise,
+    connection_lost,
     default_socket_path,
     expect_request,
     fds_from_ancillary,
     publish_request,
+    wait_request,
 )
 from protocol import messages as m
 from protocol.codec import decode_reply, encode
-from protocol.errors import ConnectionClosed, KvdError, ProtocolError, error_from_code
+from protocol.errors import KvdError, ProtocolError, error_from_code
 from protocol.framing import DEFAULT_MAX_FRAME_SIZE, FrameBuffer
 from protocol.layout import KVLayout
 
@@ -73,7 +75,7 @@ class AsyncClient:
                 if not data:
                     for fd in fds:
                         os.close(fd)
-                    raise ConnectionClosed("the daemon closed the connection", by_peer=True)
+                    raise connection_lost("the daemon closed the connection")
                 for payload in self._frames.feed(data):
                     reply = decode_reply(payload)
                     pending = self._pending.pop(reply.id, None)
@@ -89,7 +91,7 @@ class AsyncClient:
         except KvdError as exc:
             self._fail_all(exc)
         except OSError as exc:
-            self._fail_all(ConnectionClosed(f"connection to the daemon broke: {exc}", by_peer=True))
+            self._fail_all(connection_lost(f"connection to the daemon broke: {exc}"))
 
     def _fail_all(self, exc: KvdError) -> None:
         self._closed = exc
@@ -110,7 +112,7 @@ class AsyncClient:
                     view = view[await self._sock.send(view) :]
         except OSError as exc:
             self._pending.pop(msg.id, None)
-            raise ConnectionClosed(f"cannot send to the daemon: {exc}", by_peer=True) from None
+            raise connection_lost(f"cannot send to the daemon: {exc}") from None
         await pending.event.wait()
         if pending.reply is None:
             assert self._closed is not None
@@ -127,7 +129,7 @@ class AsyncClient:
         daemon takes the wait as soon as the registration is done, with no client turn between."""
         if self._closed is not None:
             raise self._closed
-        wait = m.Wait(id=self._id(), request_id=msg.request_id, timeout_s=timeout_s)
+        wait = wait_request(self._id(), msg.request_id, timeout_s)
         registered, done = _Pending(), _Pending()
         self._pending[msg.id], self._pending[wait.id] = registered, done
         data = encode(msg) + encode(wait)
@@ -139,7 +141,7 @@ class AsyncClient:
         except OSError as exc:
             self._pending.pop(msg.id, None)
             self._pending.pop(wait.id, None)
-            raise ConnectionClosed(f"cannot send to the daemon: {exc}", by_peer=True) from None
+            raise connection_lost(f"cannot send to the daemon: {exc}") from None
         for pending in (registered, done):
             await pending.event.wait()
             if pending.reply is None:
@@ -320,9 +322,11 @@ class AsyncClient:
     async def wait(self, request_id: str, timeout_s: float | None = None) -> m.Completion:
         """Wait for the transfer; returns its Completion, raises its error if it failed.
 
-        ``timeout_s`` passing raises :class:`~protocol.errors.WaitTimeout`; the transfer goes on.
+        ``timeout_s`` passing raises :class:`~protocol.errors.WaitTimeout`; the transfer goes on
+        (its own bound is the registration's ``deadline_s``). The outcome is reported once: a later
+        wait for the same request raises ``NotFound`` saying it ended.
         """
-        reply = await self._call(m.Wait(id=self._id(), request_id=request_id, timeout_s=timeout_s), m.Completion)
+        reply = await self._call(wait_request(self._id(), request_id, timeout_s), m.Completion)
         return completion_or_raise(reply)
 
     async def cancel(self, request_id: str, *, force: bool = False) -> None:

@@ -15,14 +15,14 @@ def _serve(args: argparse.Namespace) -> int:
     import trio
 
     from kvd.config import load_config, table_keys
-    from kvd.daemon import check_limits
+    from kvd.daemon import check_config
     from kvd.ops.logs import configure_logging
     from kvd.server import serve
     from kvd.startup import config_error, explain
 
     try:
         config = load_config(args.config)
-        check_limits(config.limits)
+        check_config(config)  # every value the file alone decides: exit 78 now, not 1 later
     except KvdError as exc:
         _configure_logging_from_env()
         return _report(config_error(args.config, exc, table_keys), stage="startup")

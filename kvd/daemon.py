@@ -249,8 +249,22 @@ class Daemon:
         return self._engine().watch(session, msg, answer)
 
     def completion_now(self, session: Session, msg: m.Wait) -> m.Message | None:
-        """The reply to a wait whose request has ended already, else None (then :meth:`wait`)."""
-        return self._engine().completion_now(session, msg)
+        """The reply to a wait whose request has ended already, else None (then :meth:`wait`).
+
+        A request this session has not registered (any more) is ``NotFound``, with what the
+        executor most likely did: waited twice (the outcome is reported once, then the request
+        is forgotten) or waited on a session other than the one that registered it."""
+        engine = self._engine()
+        try:
+            return engine.completion_now(session, msg)
+        except NotFound as exc:
+            ended = self.history.outcome(msg.request_id)
+            if ended is None:
+                raise NotFound(f"{exc.message}: wait on the session (Client) that registered it with "
+                               "expect or publish") from None
+            raise NotFound(f"{exc.message}: a request {msg.request_id!r} ended here ({ended}); each session "
+                           "that registered it is told the outcome by one wait, and then no more (kvctl "
+                           "transfers shows how it ended)") from None
 
     def _engine(self) -> Engine:
         if self.engine is None:

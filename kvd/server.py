@@ -84,8 +84,20 @@ def _check_peer_secret(config: Config) -> None:
         )
 
 
+#: Longest Unix socket path, in bytes (``sun_path`` is 108 bytes with its terminating NUL).
+MAX_SOCKET_PATH = 107
+
+
 async def _open_socket(config: Config) -> UnixListener:
     """Bind the executor socket first (connections wait in the backlog until ready)."""
+    size = len(os.fsencode(config.socket_path))
+    if size > MAX_SOCKET_PATH:  # bind() would say only "AF_UNIX path too long", with no errno
+        raise StartupError(
+            f"socket_path: {config.socket_path} is {size} bytes long, and a Unix socket path holds at most "
+            f"{MAX_SOCKET_PATH}; choose a shorter socket_path (KVD_SOCKET)",
+            setting="socket_path",
+            exit_code=EX_CONFIG,
+        )
     try:
         return await open_unix_listener(config.socket_path, config.socket_mode)
     except SocketInUse as exc:
@@ -95,7 +107,7 @@ async def _open_socket(config: Config) -> UnixListener:
             setting="socket_path",
         ) from None
     except (BadRequest, OSError) as exc:
-        message = exc.message if isinstance(exc, BadRequest) else f"cannot listen on {config.socket_path}: {exc.strerror}"
+        message = exc.message if isinstance(exc, BadRequest) else f"cannot listen on {config.socket_path}: {exc.strerror or exc}"
         raise StartupError(
             f"socket_path: {message}; choose a socket_path in an existing directory this user may write "
             "(KVD_SOCKET)",

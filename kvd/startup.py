@@ -93,6 +93,9 @@ def config_error(path: str | None, exc: KvdError, keys_of: Callable[[str], list[
     elif table:
         setting = table
         problem = f"{what[:1].lower()}{what[1:]} (in {where})"
+        if table in ("pools", "peers") and what.startswith("Expected `array`, got `object`"):
+            # [pools] (one bracket) is a single table; kvd wants an array of them
+            problem += f": write each entry as its own [[{table}]] table (two brackets)"
     else:  # not located (unreadable file, bad TOML, a limit out of range): the message says what
         message = exc.message if path is None or path in exc.message else f"configuration {where}: {exc.message}"
         if message.startswith("cannot read configuration "):  # the path, not the contents, is wrong

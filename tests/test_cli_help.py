@@ -25,6 +25,7 @@ import kvd.bench.regroup
 import kvd.bench.transfer
 import kvd.bench.transfer_gpu
 import kvd.cli
+import kvd.demo.connector
 import kvd.demo.model.cli
 import kvd.demo.pair
 
@@ -44,11 +45,12 @@ PARSERS: dict[str, Callable[[], argparse.ArgumentParser]] = {
     "python -m kvd.bench.copy_engines": kvd.bench.copy_engines.build_parser,
     "python -m kvd.bench.bounce_host": kvd.bench.bounce_host.build_parser,
     "kvctl": clients.kvctl.build_parser,
+    "python -m kvd.demo.connector": kvd.demo.connector.build_parser,
 }
 #: the modules those parsers come from
 MODULES = {"kvd/cli.py", "kvd/demo/pair.py", "kvd/demo/model/cli.py", "kvd/bench/ipc.py", "kvd/bench/regroup.py",
            "kvd/bench/transfer.py", "kvd/bench/transfer_gpu.py", "kvd/bench/layouts.py", "kvd/bench/rawnixl.py", "clients/kvctl.py",
-           "kvd/bench/copy_engines.py", "kvd/bench/bounce_host.py"}
+           "kvd/bench/copy_engines.py", "kvd/bench/bounce_host.py", "kvd/demo/connector.py"}
 #: reStructuredText that means nothing on a terminal
 RST = re.compile(r"``|:(?:class|func|mod|meth|data|attr):`")
 

@@ -187,7 +187,10 @@ async def test_slot_write_to_a_dead_peer_fails_and_keeps_no_handle() -> None:
         w.agent.close()
 
 
-async def test_notification_from_peer_reaches_poller(writer: Writer, peer: PeerProcess) -> None:
+@pytest.mark.parametrize("polite", [False, True], ids=["spin", "polite-spin"])
+async def test_notification_from_peer_reaches_poller(writer: Writer, peer: PeerProcess, polite: bool) -> None:
+    """Both spins deliver: the plain one, and the polite one of hosts with few cores (which
+    yields the CPU every round)."""
     got: list[tuple[str, bytes]] = []
     arrived = trio.Event()
 
@@ -198,7 +201,7 @@ async def test_notification_from_peer_reaches_poller(writer: Writer, peer: PeerP
 
     with trio.fail_after(20):
         async with trio.open_nursery() as nursery:
-            await nursery.start(partial(poll_notifications, writer.agent, on_notif, hot=lambda: True))
+            await nursery.start(partial(poll_notifications, writer.agent, on_notif, hot=lambda: True, polite=polite))
             await trio.to_thread.run_sync(peer.send_notif, "test-writer", b"hello")
             await trio.to_thread.run_sync(peer.send_notif, "test-writer", b"again")
             await arrived.wait()

@@ -175,11 +175,14 @@ class AccessPolicy:
         if self.allows(creds):
             return
         if self.default_rule:
-            rule = f"only root, uid {self.daemon_uid} and members of group {self.daemon_gid} may connect"
+            rule = (f"only root, uid {self.daemon_uid} and members of group {self.daemon_gid} may connect; add "
+                    f"this user to group {self.daemon_gid} (usermod -aG, effective from its next login), or list "
+                    "its uid or gid in [access] allowed_uids / allowed_gids of the daemon's configuration")
         else:
             rule = (
                 f"allowed: root, uid {self.daemon_uid}, uids {sorted(self.allowed_uids)}, "
-                f"members of gids {sorted(self.allowed_gids)}"
+                f"members of gids {sorted(self.allowed_gids)}; list this uid or one of its groups in "
+                "[access] allowed_uids / allowed_gids of the daemon's configuration"
             )
         raise PermissionDenied(
             f"peer pid {creds.pid} (uid {creds.uid}, gid {creds.gid}) is not allowed to use this daemon: {rule}"

@@ -49,5 +49,13 @@ class TransferHistory:
         shown = [t for t in live if t.state not in _FINISHED or (t.request_id, t.role) not in recorded]
         return [*shown, *self._ring]
 
+    def outcome(self, request_id: str) -> str | None:
+        """How the newest kept side of ``request_id`` ended (``done`` / ``failed``); None if none
+        is kept (an error path's question: a scan of the ring)."""
+        for info in reversed(self._ring):
+            if info.request_id == request_id:
+                return info.state
+        return None
+
     def __len__(self) -> int:
         return len(self._ring)

@@ -176,7 +176,8 @@ def _check_pool_matches(pool: Pool, layout: KVLayout, rank: int) -> KVLayout:
     resolved = msgspec.structs.replace(layout, num_blocks=pool.layout.num_blocks)
     if layout.num_blocks not in (0, pool.layout.num_blocks):
         raise IncompatibleLayout(
-            f"layout says num_blocks={layout.num_blocks}, pool {pool.name!r} has {pool.layout.num_blocks}"
+            f"layout says num_blocks={layout.num_blocks}, pool {pool.name!r} has {pool.layout.num_blocks}; "
+            "leave the layout's num_blocks at 0 (it then takes the pool's)"
         )
     want = resolved.pool_shape(rank)
     have = pool.layout.pool_shape(pool.rank)
@@ -236,7 +237,8 @@ def add_registration(
             raise BadRequest(f"request {msg.request_id!r}: ranks {msg.ranks} outside world size {layout.world_size}")
         if not layout.attention_dp and len(ranks) != layout.world_size:
             raise BadRequest(
-                f"request {msg.request_id!r}: without attention DP every rank takes part; got ranks {msg.ranks}"
+                f"request {msg.request_id!r}: without attention DP every rank takes part; got ranks {msg.ranks}: "
+                "leave ranks out, and have every rank of the layout register"
             )
     if msg.rank not in ranks:
         raise BadRequest(f"request {msg.request_id!r}: rank {msg.rank} is not among participants {list(ranks)}")

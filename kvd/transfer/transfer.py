@@ -472,11 +472,15 @@ class Transfer:
             links = self.env.links()
             if role is f.Role.CTX and st in (f.State.READY, f.State.OFFERED):
                 if self.peer == self.env.node:
-                    # the local path: the gen side lives here and never registered
+                    # the local path: the gen side lives here and never registered (or only some
+                    # of its ranks did: name the others)
+                    gen = self.sides.get(f.Role.GEN)
+                    who = ("no gen executor expected it" if gen is None else
+                           f"gen ranks {sorted(set(gen.ranks) - set(gen.parts))} never expected it")
                     self.feed(f.LocalFailure(role, TransferTimeout.code,
-                                             f"{name}: no gen executor expected it on this daemon (peer "
-                                             f"{self.peer!r} is this daemon: the local path); check that the gen "
-                                             f"executors are running and expect this request id here, {more}"))
+                                             f"{name}: {who} on this daemon (peer {self.peer!r} is this daemon: "
+                                             "the local path); check that the gen executors are running and "
+                                             f"expect this request id here, {more}"))
                 elif links is not None and self.peer not in links.links:
                     self.feed(f.LocalFailure(role, PeerUnavailable.code,
                                              f"{name}: {links.describe_missing(self.peer)}; "

@@ -15,8 +15,8 @@ from kvd.transport.nixl_agent import (
     XferState,
     ensure_loopback_ucx,
     load_nixl,
-    poll_notifications,
 )
+from kvd.transport.poller import poll_notifications
 
 __all__ = [
     "Descs",

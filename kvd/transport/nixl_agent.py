@@ -9,12 +9,13 @@ Progress and polling
     side of a write must keep calling :meth:`NixlAgent.notifications` or the sender spins
     forever (over ``tcp``; a slow poll makes a 256 MiB write 10x slower); and the *active* side
     must keep calling into its agent too, or a standalone :meth:`NixlAgent.send_notif` is never
-    flushed. The daemon therefore runs ONE :func:`poll_notifications` task per agent for the
+    flushed. The daemon therefore runs ONE :func:`~kvd.transport.poller.poll_notifications` task per agent for the
     agent's whole life; :meth:`NixlAgent.wait` drives progress for the transfer it waits on.
     The *receiver's* poll rate bounds the *sender's* completion latency: a 1 MiB host write
     completes in ≈0.2 ms when the target polls without pause, ≈3 ms when it polls every
     millisecond (and trio cannot sleep less than ≈1.1 ms) — so the poller spins (``hot``)
-    while transfers into this daemon are in progress.
+    while transfers into this daemon are in progress (politely, yielding the CPU every round,
+    on hosts with few cores).
 
 Posting is sometimes the copy
     On host memory UCX moves puts with ``cma`` (``process_vm_writev``): ``transfer()`` does the
@@ -22,7 +23,7 @@ Posting is sometimes the copy
     Over ``tcp``, RDMA and ``cuda_ipc`` the post returns "PROC" at once. The binding releases
     the GIL while it posts, so :meth:`NixlAgent.write_async` posts from a worker thread (by
     default for DRAM sources) and the event loop keeps running; meanwhile
-    :func:`poll_notifications` stays out of the agent (see :attr:`NixlAgent.busy`): the agent
+    :func:`~kvd.transport.poller.poll_notifications` stays out of the agent (see :attr:`NixlAgent.busy`): the agent
     is created with ``NIXL_THREAD_SYNC_STRICT`` (one mutex, no measurable cost), so any other
     call into the same agent would simply wait for the post.
 
@@ -80,7 +81,7 @@ import sys
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -105,7 +106,6 @@ __all__ = [
     "XferState",
     "ensure_loopback_ucx",
     "load_nixl",
-    "poll_notifications",
 ]
 
 log = structlog.get_logger("kvd.transport")
@@ -1022,65 +1022,3 @@ class NixlAgent:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-async def poll_notifications(
-    agent: NixlAgent,
-    on_notif: Callable[[str, bytes], object],
-    *,
-    idle_poll: float = 0.001,
-    idle_max: float | None = None,
-    spin: float = 0.002,
-    hot: Callable[[], bool] | None = None,
-    polite: bool = False,
-    wakeup: Callable[[], trio.Event] | None = None,
-    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
-) -> None:
-    """Drain ``agent``'s notifications forever, calling ``on_notif(remote_agent, msg)`` for each.
-
-    Run exactly one per agent for its whole life (without the progress thread this poll is
-    what drives UCX). It polls with ``trio.sleep(0)`` between calls (a "spin": ≈4 µs per
-    round, one core busy) while ``hot()`` is true (e.g. "a transfer into us is in progress")
-    and for ``spin`` seconds after the last notification; otherwise every ``idle_poll``
-    seconds, doubling up to ``idle_max`` (when given) while nothing happens — an idle daemon
-    then costs almost nothing. ``wakeup()`` returns an event set when work starts: an idle
-    sleep ends at once then. Sub-millisecond sleeps are pointless: trio rounds them up to
-    ≈1.1 ms under epoll. The poll rate of the *receiving* agent bounds the *sender's*
-    completion latency: a 1 MiB host write completes in ≈0.2 ms when the target spins, ≈3 ms
-    when it polls every ms. ``on_notif`` must not block (use a memory channel's
-    ``send_nowait``). Polling pauses while a worker thread is inside the agent
-    (:attr:`NixlAgent.busy`). ``polite``: every spin round also yields the CPU
-    (``sched_yield``, the GIL released), for hosts with few cores, where a plain spin takes
-    the core that the worker threads copying host chunks need (measured on 2 cores, host
-    bounce: a plain spin cost more than half the throughput; polling every ms instead of
-    spinning cost the small requests ~1 ms per chunk).
-    """
-    task_status.started()
-    last_activity = time.monotonic()
-    interval = idle_poll
-    while True:
-        if agent.busy:
-            spinning = hot is not None and hot()
-            if spinning and polite:
-                os.sched_yield()
-            await trio.sleep(0 if spinning else idle_poll)
-            continue
-        notifs = agent.notifications()
-        now = time.monotonic()
-        if notifs:
-            last_activity = now
-            for remote, msgs in notifs.items():
-                for msg in msgs:
-                    on_notif(remote, msg)
-        if now - last_activity < spin or (hot is not None and hot()):
-            interval = idle_poll
-            if polite:
-                os.sched_yield()  # without the GIL: this process's worker threads run first
-            await trio.sleep(0)
-        elif wakeup is not None:
-            with trio.move_on_after(interval):
-                await wakeup().wait()
-            interval = min(interval * 2, idle_max if idle_max is not None else idle_poll)
-        else:
-            await trio.sleep(interval)
-            interval = min(interval * 2, idle_max if idle_max is not None else idle_poll)

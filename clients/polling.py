@@ -1,0 +1,222 @@
+"""Completions a serving framework's step loop collects without blocking.
+
+A framework's worker runs a step loop that asks, every few milliseconds, which requests
+finished their KV transfer (vLLM's ``get_finished``, TensorRT-LLM's
+``check_*_transfer_status``). :class:`PollingClient` is the blocking :class:`~clients.Client`
+plus that question:
+
+    kvd = PollingClient("/run/kvd/kvd.sock", client="gen-rank1")
+    kvd.expect_and_watch("req-42", "gen1", layout, 1, block_ids)   # sends, reads nothing
+    ...
+    for done in kvd.get_finished():        # never blocks: what the socket holds already
+        if done.ok: ...                    # the KV is in the blocks
+        # ok or not, kvd no longer reads or writes the request's blocks: reuse them
+
+A watch is a ``Wait`` with no timeout, sent on the session that registered the request; the
+daemon answers it in the step that reports the request, and :meth:`get_finished` reads every
+answer the socket holds with ``MSG_DONTWAIT`` (one ``recvmsg`` when nothing came). Failures are
+returned, not raised: a :class:`~protocol.messages.Completion` with ``ok=False`` and the
+daemon's ``error_code`` / ``error_message`` (``protocol.errors.error_from_code`` turns them
+into the exception :meth:`~clients.Client.wait` would raise). Exactly one completion comes
+per watched request.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+from clients._wire import ANCILLARY_SIZE, connection_lost, expect_request, fds_from_ancillary, publish_request
+from clients.blocking import Client
+from protocol import messages as m
+from protocol.codec import decode_reply, encode
+from protocol.errors import BadRequest, error_from_code
+from protocol.layout import KVLayout
+
+#: Errors of a wait that are not the request's outcome: the request goes on, so the watch is
+#: sent again (``limit_exceeded``: the session had ``max_inflight_per_session`` waits pending
+#: while an earlier reply was still being written).
+_WAIT_AGAIN = frozenset({"limit_exceeded", "wait_timeout"})
+
+
+class PollingClient(Client):
+    """A blocking session whose requests' outcomes are collected with :meth:`get_finished`.
+
+    Every method of :class:`~clients.Client` works as there; replies to watches that come
+    while another call reads the socket are kept for :meth:`get_finished`. Like ``Client``,
+    one call is on the wire at a time (a lock serialises threads)."""
+
+    def __init__(self, path: str | None = None, *, client: str = "", timeout: float | None = None) -> None:
+        # wait message id -> its request id ("": its registration was refused, drop its reply)
+        self._watches: dict[int, str] = {}
+        self._registrations: dict[int, int] = {}  # registration message id -> its watch's wait id
+        self._finished: list[m.Completion] = []
+        self._again: list[int] = []  # wait ids to send again (see _WAIT_AGAIN)
+        self._cancels: set[int] = set()  # ids of cancel_nowait's Cancel, whose replies are dropped
+        super().__init__(path, client=client, timeout=timeout)
+
+    def __enter__(self) -> PollingClient:
+        return self
+
+    @property
+    def watching(self) -> int:
+        """How many watched requests have not been returned by :meth:`get_finished` yet."""
+        return sum(1 for request_id in self._watches.values() if request_id)
+
+    def watch(self, request_id: str) -> None:
+        """Have :meth:`get_finished` return ``request_id``'s completion (registered by this
+        session with :meth:`expect` or :meth:`publish`); sends one frame, reads nothing."""
+        self._send_watched(None, request_id)
+
+    def expect_and_watch(
+        self,
+        request_id: str,
+        pool: str,
+        layout: KVLayout,
+        rank: int,
+        block_ids: list[int],
+        *,
+        ranks: list[int] | None = None,
+        deadline_s: float | None = None,
+        peer: str = "",
+    ) -> None:
+        """:meth:`~clients.Client.expect` and :meth:`watch` in one write, waiting for no reply: a
+        refused registration (``IncompatibleLayout``, ``BlockNotLeased``, ``DuplicateRequest``, …)
+        comes back from :meth:`get_finished` as the request's failed completion. Arguments the
+        client can check (request id, ``deadline_s``) raise ``BadRequest`` here, nothing sent."""
+        msg = expect_request(self._id(), request_id, pool, layout, rank, block_ids, ranks, deadline_s, peer)
+        self._send_watched(msg, request_id)
+
+    def publish_and_watch(
+        self,
+        request_id: str,
+        pool: str,
+        layout: KVLayout,
+        rank: int,
+        block_ids: list[int],
+        peer: str,
+        *,
+        ranks: list[int] | None = None,
+        deadline_s: float | None = None,
+    ) -> None:
+        """:meth:`~clients.Client.publish` and :meth:`watch` in one write, waiting for no reply
+        (a refused registration is a failed completion, as for :meth:`expect_and_watch`)."""
+        msg = publish_request(self._id(), request_id, pool, layout, rank, block_ids, peer, ranks, deadline_s)
+        self._send_watched(msg, request_id)
+
+    def cancel_nowait(self, request_id: str) -> None:
+        """Cancel a watched request without waiting for the daemon's reply (one frame sent).
+
+        Its outcome comes from :meth:`get_finished` as for any watched request: a failed
+        completion (``transfer_cancelled``) once no write into its blocks can land, or ``ok``
+        if it finished first (the cancel's reply, ``Ok`` or ``NotFound`` then, is dropped).
+        ``BadRequest`` if this client does not watch ``request_id``: the cancel's reply would
+        be the only word on it, use :meth:`~clients.Client.cancel`."""
+        if request_id not in self._watches.values():
+            raise BadRequest(f"request {request_id!r} is not watched by this client (or its completion was "
+                             "returned already); cancel() cancels an unwatched request and says how it went")
+        msg = m.Cancel(id=self._id(), request_id=request_id)
+        with self._lock:
+            self._send(encode(msg))
+            self._cancels.add(msg.id)
+
+    def get_finished(self) -> list[m.Completion]:
+        """The completions of watched requests that the daemon has sent, without blocking (none
+        yet: ``[]``). Each watched request comes exactly once, ``ok`` or not; either way its
+        blocks are no longer read or written by kvd. Raises ``ConnectionClosed`` if the daemon
+        went away (its leases and requests went with it)."""
+        with self._lock:
+            self._read_available()
+            while self._ready:
+                reply, fds = self._ready.pop(0)
+                if not self._route(reply):
+                    for fd in fds:
+                        os.close(fd)
+            if self._again:
+                again, self._again = self._again, []
+                self._send(b"".join(encode(m.Wait(id=i, request_id=self._watches[i])) for i in again))
+            finished, self._finished = self._finished, []
+        return finished
+
+    # -- plumbing ---------------------------------------------------------------------------
+    def _read_available(self) -> None:
+        """Move every frame the socket holds now into ``_ready``, without blocking."""
+        # a socket with a timeout polls for it before recvmsg, whatever the flags: none here
+        blocking = self._timeout is not None
+        if blocking:
+            self._sock.settimeout(0.0)
+        try:
+            while True:
+                try:
+                    data, anc, _flags, _addr = self._sock.recvmsg(65536, ANCILLARY_SIZE, socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    return
+                except OSError as exc:
+                    raise connection_lost(f"connection to the daemon broke: {exc}") from None
+                for fd in fds_from_ancillary(anc):  # no reply to a watch carries fds
+                    os.close(fd)
+                if not data:
+                    raise connection_lost("the daemon closed the connection")
+                for payload in self._frames.feed(data):
+                    self._ready.append((decode_reply(payload), []))
+        finally:
+            if blocking:
+                self._sock.settimeout(self._timeout)
+
+    def _send(self, data: bytes) -> None:
+        try:
+            self._sock.sendall(data)
+        except OSError as exc:
+            raise connection_lost(f"cannot send to the daemon: {exc}") from None
+
+    def _send_watched(self, registration: m.Expect | m.Publish | None, request_id: str) -> None:
+        wait = m.Wait(id=self._id(), request_id=request_id)
+        data = encode(wait) if registration is None else encode(registration) + encode(wait)
+        with self._lock:
+            self._send(data)
+            self._watches[wait.id] = request_id
+            if registration is not None:
+                self._registrations[registration.id] = wait.id
+
+    def _receive_reply(self, request_id: int) -> tuple[m.Message, list[int]]:
+        """As :meth:`Client._receive_reply`, keeping the replies to watches and registrations."""
+        while True:
+            reply, fds = self._receive()
+            if reply.id == request_id:
+                return reply, fds
+            if self._route(reply):
+                continue
+            if isinstance(reply, m.Error) and reply.id == 0:
+                raise error_from_code(reply.code, reply.message)
+            for fd in fds:
+                os.close(fd)
+
+    def _route(self, reply: m.Message) -> bool:
+        """Take a reply to a watch or to a registration sent with one; False if it is neither."""
+        if reply.id in self._cancels:
+            self._cancels.discard(reply.id)
+            return True
+        wait_id = self._registrations.pop(reply.id, None)
+        if wait_id is not None:  # the daemon answers a registration before reading its wait
+            if isinstance(reply, m.Error):  # refused: that is the outcome; the wait's NotFound is dropped
+                self._finished.append(m.Completion(request_id=self._watches[wait_id], ok=False,
+                                                   error_code=reply.code, error_message=reply.message))
+                self._watches[wait_id] = ""
+            return True
+        request_id = self._watches.get(reply.id)
+        if request_id is None:
+            return False
+        if not request_id:  # the refused registration's wait
+            del self._watches[reply.id]
+        elif isinstance(reply, m.Completion):
+            del self._watches[reply.id]
+            self._finished.append(reply)
+        elif isinstance(reply, m.Error) and reply.code in _WAIT_AGAIN:
+            self._again.append(reply.id)
+        else:
+            del self._watches[reply.id]
+            code, text = (reply.code, reply.message) if isinstance(reply, m.Error) else (
+                "protocol", f"expected Completion, daemon sent {type(reply).__name__}")
+            self._finished.append(m.Completion(request_id=request_id, ok=False, error_code=code,
+                                               error_message=text))
+        return True

@@ -1,0 +1,313 @@
+"""Mistakes a newcomer makes with kvd, and what kvd says about them: each case runs real daemons
+(subprocesses, real sockets) and checks that the error names what went wrong and what to do.
+
+- ``[pools]`` for ``[[pools]]`` says to write two brackets;
+- a configuration value only the daemon's checks refuse (a negative deadline) is a configuration
+  error: exit 78, not 1 (systemd would restart a daemon that can never start);
+- a transfer to the daemon's own node that no gen rank expects is not "no link to the peer";
+- a second ``wait`` for a request whose outcome was reported, or a wait on another session;
+- ``deadline_s`` / ``timeout_s`` / ``request_id`` out of the protocol's bounds are refused by the
+  client as the argument they are, not by the daemon as a malformed message;
+- the daemon going away under a session says what to do next.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+import trio
+
+from clients import Client, open_client
+from kvd.demo.launch import DaemonProcess
+from kvd.startup import EX_CONFIG
+from protocol.errors import BadRequest, ConnectionClosed, IncompatibleLayout, NotFound, TransferTimeout
+from protocol.layout import KVLayout
+from tests.conftest import host_pool
+from tests.test_ops_access import CLIENT, NOBODY, _as_nobody
+from tests.test_startup_errors import base_config, check_failure, secret, serve, write_config
+
+LOST = "open a new Client once kvd answers again (kvctl ping --wait SECONDS)"
+
+
+def test_a_negative_deadline_in_the_file_is_a_configuration_error(short_tmp: Path) -> None:
+    """``[transfer] deadline_s = -1`` used to pass the configuration check and fail the start with
+    exit 1 and no hint (systemd restarts on 1); it is refused with the file's other mistakes."""
+    path = write_config(short_tmp, "kvd", base_config(short_tmp, transfer={"deadline_s": -1.0}))
+    check_failure(serve(path, env={"KVD_LOG_FORMAT": "json"}), exit_code=EX_CONFIG, setting=None,
+                  contains=["[transfer] deadline_s must be finite, > 0 and at most 86400 s, got -1.0",
+                            "; fix the configuration (systemd/kvd.toml shows and explains every key)"])
+
+
+@pytest.mark.parametrize("table", ["pools", "peers"])
+def test_a_single_bracket_pools_table_says_to_use_two(short_tmp: Path, table: str) -> None:
+    """``[pools]`` instead of ``[[pools]]``: msgspec's "expected `array`, got `object`" alone does
+    not tell a newcomer that TOML's double brackets make the array."""
+    path = short_tmp / "kvd.toml"
+    path.write_text(f'socket_path = "{short_tmp / "kvd.sock"}"\nlog_format = "json"\n[{table}]\nname = "x"\n')
+    check_failure(serve(str(path)), exit_code=EX_CONFIG, setting=table,
+                  contains=[f"kvd: error: {table}: expected `array`, got `object` (in {path}): write each entry "
+                            f"as its own [[{table}]] table (two brackets); fix the configuration"])
+
+
+def test_a_socket_path_too_long_for_a_unix_socket(short_tmp: Path) -> None:
+    """A socket_path over 107 bytes (a deep working directory): bind() says "AF_UNIX path too long"
+    with no errno, and the daemon's line used to end in "cannot listen on ...: None"."""
+    path = str(short_tmp / ("s" * (108 - len(str(short_tmp))))) + ".sock"
+    assert len(path) > 107
+    config = write_config(short_tmp, "kvd", base_config(short_tmp, socket_path=path))
+    check_failure(serve(config, env={"KVD_LOG_FORMAT": "json"}), exit_code=EX_CONFIG, setting="socket_path",
+                  contains=[f"kvd: error: socket_path: {path} is {len(path)} bytes long, and a Unix socket path "
+                            "holds at most 107; choose a shorter socket_path (KVD_SOCKET)"])
+    said = (f"cannot connect to kvd at {path}: AF_UNIX path too long; the path is {len(path)} bytes long, and a "
+            "Unix socket path holds at most 107: no daemon can listen there; give the daemon's real socket_path")
+    with pytest.raises(ConnectionClosed) as info:
+        Client(path, client="t")
+    assert info.value.message.startswith(said), info.value.message
+
+
+async def test_async_client_names_a_socket_path_too_long(short_tmp: Path) -> None:
+    path = "/tmp/" + "s" * 120
+    with pytest.raises(ConnectionClosed, match="the path is 125 bytes long, and a Unix socket path holds at most 107"):
+        async with open_client(path, client="t"):
+            pass
+
+
+def _local_pools() -> list[dict[str, Any]]:
+    """A TP1 ctx pool and the two pools of a TP2 gen instance, all on one daemon."""
+    return [host_pool("ctx0", num_blocks=8),
+            host_pool("gen0", num_blocks=8, tp_size=2, rank=0),
+            host_pool("gen1", num_blocks=8, tp_size=2, rank=1)]
+
+
+def _layouts(d: DaemonProcess) -> tuple[KVLayout, KVLayout]:
+    with Client(d.socket_path, client="layouts") as kvd:
+        info = {p.name: p.layout for p in kvd.pools()}
+    ctx, gen = info["ctx0"], info["gen0"]
+    assert ctx is not None and gen is not None
+    return ctx, gen
+
+
+def test_a_transfer_to_the_own_node_that_no_gen_rank_expects(
+        daemon_factory: Callable[..., DaemonProcess], short_tmp: Path) -> None:
+    """``publish(..., peer=<this daemon's node>)`` is a transfer between its own pools; when no gen
+    rank expects it, the deadline's error of a daemon with peer links said "no link to peer 'local'
+    (it never connected); start the peer daemon", sending the newcomer after a daemon that does
+    not exist."""
+    d = daemon_factory({"pools": _local_pools(), "peer_secret_file": secret(short_tmp)}, name="local")
+    ctx, gen = _layouts(d)
+    with Client(d.socket_path, client="ctx") as c, Client(d.socket_path, client="gen-rank0") as g0:
+        ids = c.alloc("ctx0", 2)
+        c.publish("nobody", "ctx0", ctx, 0, ids, peer="local", deadline_s=1)
+        with pytest.raises(TransferTimeout) as info:
+            c.wait("nobody", timeout_s=60)
+        said = info.value.message
+        assert "missed its deadline of 1 s: no gen executor expected it on this daemon (peer 'local' is this " \
+               "daemon: the local path)" in said, said
+        assert "check that the gen executors are running and expect this request id here" in said, said
+        assert "no link" not in said and "start the peer daemon" not in said, said
+
+        # one of the two gen ranks expects it: both sides name the rank that did not, whichever
+        # side registered first (that side's deadline fires first and words the failure)
+        gids = g0.alloc("gen0", 2)
+        g0.expect("gen-first", "gen0", gen, 0, gids, deadline_s=1)
+        c.publish("gen-first", "ctx0", ctx, 0, ids, peer="local", deadline_s=1)
+        with pytest.raises(TransferTimeout, match=r"ranks \[1\] never registered \(1 of 2 did\)"):
+            c.wait("gen-first", timeout_s=60)
+        with pytest.raises(TransferTimeout, match=r"ranks \[1\] never registered \(1 of 2 did\)"):
+            g0.wait("gen-first", timeout_s=60)
+        c.publish("ctx-first", "ctx0", ctx, 0, ids, peer="local", deadline_s=1)
+        g0.expect("ctx-first", "gen0", gen, 0, gids, deadline_s=1)
+        with pytest.raises(TransferTimeout, match=r"gen ranks \[1\] never expected it on this daemon"):
+            c.wait("ctx-first", timeout_s=60)
+        with pytest.raises(TransferTimeout, match=r"gen ranks \[1\] never expected it on this daemon"):
+            g0.wait("ctx-first", timeout_s=60)
+        c.free("ctx0", ids)
+        g0.free("gen0", gids)
+
+
+def test_waiting_twice_or_on_another_session_says_why(daemon_factory: Callable[..., DaemonProcess]) -> None:
+    d = daemon_factory({"pools": _local_pools()}, name="local")
+    ctx, gen = _layouts(d)
+    with Client(d.socket_path, client="ctx") as c, Client(d.socket_path, client="g0") as g0, \
+            Client(d.socket_path, client="g1") as g1:
+        ids = c.alloc("ctx0", 2)
+        gids = [g0.alloc("gen0", 2), g1.alloc("gen1", 2)]
+        g0.expect("r1", "gen0", gen, 0, gids[0])
+        g1.expect("r1", "gen1", gen, 1, gids[1])
+        # the ctx executor's session waiting on the gen ranks' registration: not its request (yet)
+        with pytest.raises(NotFound) as info:
+            c.wait("r1", timeout_s=5)
+        assert info.value.message == ("request 'r1' is not registered by this session: wait on the session "
+                                      "(Client) that registered it with expect or publish")
+        c.publish("r1", "ctx0", ctx, 0, ids, peer="local")
+        assert c.wait("r1", timeout_s=60).path == "local"
+        assert g0.wait("r1", timeout_s=60).ok
+        # the outcome is reported once per session: a second wait is told so, and where to look
+        with pytest.raises(NotFound) as info:
+            c.wait("r1", timeout_s=5)
+        assert info.value.message == (
+            "request 'r1' is not registered by this session: a request 'r1' ended here (done); each session "
+            "that registered it is told the outcome by one wait, and then no more (kvctl transfers shows how "
+            "it ended)")
+        # g1 has not collected its completion yet: it still gets it
+        assert g1.wait("r1", timeout_s=60).ok
+        c.free("ctx0", ids)
+        g0.free("gen0", gids[0])
+        g1.free("gen1", gids[1])
+
+
+def test_layout_mistakes_say_what_to_leave_out(daemon_factory: Callable[..., DaemonProcess]) -> None:
+    """Two arguments a newcomer fills in that are best left alone: the layout's ``num_blocks``
+    and ``ranks=`` (attention DP only)."""
+    d = daemon_factory({"pools": _local_pools()}, name="local")
+    _ctx, gen = _layouts(d)
+    with Client(d.socket_path, client="gen-rank0") as g0:
+        ids = g0.alloc("gen0", 2)
+        with pytest.raises(IncompatibleLayout) as info:
+            g0.expect("r", "gen0", msgspec.structs.replace(gen, num_blocks=64), 0, ids)
+        assert info.value.message == ("layout says num_blocks=64, pool 'gen0' has 8; leave the layout's "
+                                      "num_blocks at 0 (it then takes the pool's)")
+        with pytest.raises(BadRequest) as info:
+            g0.expect("r", "gen0", gen, 0, ids, ranks=[0])
+        assert info.value.message == ("request 'r': without attention DP every rank takes part; got ranks [0]: "
+                                      "leave ranks out, and have every rank of the layout register")
+        assert g0.transfers() == []
+        g0.free("gen0", ids)
+
+
+BAD_ARGUMENTS = [
+    ({"deadline_s": 0}, "deadline_s must be a number of seconds > 0 and at most 86400, got 0; "
+                        "None takes the daemon's [transfer] deadline_s"),
+    ({"deadline_s": -1.0}, "deadline_s must be a number of seconds > 0 and at most 86400, got -1.0"),
+    ({"deadline_s": 1e9}, "deadline_s must be a number of seconds > 0 and at most 86400, got 1000000000.0"),
+    ({"deadline_s": math.nan}, "deadline_s must be a number of seconds > 0 and at most 86400, got nan"),
+    ({"request_id": ""}, "request_id must be a non-empty string of at most 256 characters, got ''"),
+    ({"request_id": "x" * 257}, "request_id must be a non-empty string of at most 256 characters, got 'xxx"),
+]
+
+
+@pytest.mark.parametrize(("bad", "said"), BAD_ARGUMENTS)
+def test_blocking_client_refuses_out_of_bounds_arguments(
+        daemon_factory: Callable[..., DaemonProcess], bad: dict[str, Any], said: str) -> None:
+    """Such a value used to reach the daemon, whose decoder answered ``[protocol] invalid message:
+    Expected `float` > 0.0 - at `$.deadline_s``` (a wire fault, to a newcomer's eye)."""
+    d = daemon_factory(name="args")
+    with Client(d.socket_path, client="args") as kvd:
+        layout = kvd.pools()[0].layout
+        assert layout is not None
+        ids = kvd.alloc("host0", 1)
+        args: dict[str, Any] = {"request_id": "r", "deadline_s": None, **bad}
+        rid, deadline = args["request_id"], args["deadline_s"]
+        for register in (
+            lambda: kvd.expect(rid, "host0", layout, 0, ids, deadline_s=deadline),
+            lambda: kvd.publish(rid, "host0", layout, 0, ids, "args", deadline_s=deadline),
+            lambda: kvd.publish_and_wait(rid, "host0", layout, 0, ids, "args", deadline_s=deadline, timeout_s=1),
+        ):
+            with pytest.raises(BadRequest) as info:
+                register()
+            assert info.value.message.startswith(said), info.value.message
+        assert kvd.transfers() == []  # nothing was sent: nothing registered
+        assert kvd.ping(b"on") == b"on"  # and the session goes on
+        kvd.free("host0", ids)
+
+
+def test_a_negative_wait_timeout_is_refused_by_the_client(daemon_factory: Callable[..., DaemonProcess]) -> None:
+    d = daemon_factory(name="args")
+    with Client(d.socket_path, client="args") as kvd:
+        for bad in (-1.0, math.inf):
+            with pytest.raises(BadRequest, match=r"^\[bad_request\] timeout_s must be a number of seconds >= 0 and at most 86400, "
+                                                 r"got .*; None waits until the request ends$"):
+                kvd.wait("r", timeout_s=bad)
+        # 0 is a valid timeout: the daemon answers (here: the request is not this session's)
+        with pytest.raises(NotFound, match="request 'r' is not registered by this session"):
+            kvd.wait("r", timeout_s=0)
+
+
+async def test_async_client_refuses_out_of_bounds_arguments(daemon_factory: Callable[..., DaemonProcess]) -> None:
+    d = daemon_factory(name="args")
+    async with open_client(d.socket_path, client="args") as kvd:
+        [pool] = await kvd.pools()
+        assert pool.layout is not None
+        ids = await kvd.alloc("host0", 1)
+        with pytest.raises(BadRequest, match=r"^\[bad_request\] deadline_s must be a number of seconds > 0"):
+            await kvd.expect("r", "host0", pool.layout, 0, ids, deadline_s=0)
+        with pytest.raises(BadRequest, match=r"^\[bad_request\] request_id must be a non-empty string"):
+            await kvd.publish_and_wait("", "host0", pool.layout, 0, ids, "args", timeout_s=1)
+        with pytest.raises(BadRequest, match=r"^\[bad_request\] timeout_s must be a number of seconds >= 0"):
+            await kvd.wait("r", timeout_s=-1)
+        assert await kvd.transfers() == []
+        assert await kvd.ping(b"on") == b"on"
+
+
+def test_blocking_client_of_a_killed_daemon_says_what_to_do(daemon_factory: Callable[..., DaemonProcess]) -> None:
+    d = daemon_factory(name="gone")
+    with Client(d.socket_path, client="gen-rank0") as kvd:
+        assert kvd.alloc("host0", 1)
+        d.kill()  # SIGKILL, and reaped: the daemon's end of the socket is closed
+        for _ in range(2):  # the first call finds the connection gone, and so does the next one
+            with pytest.raises(ConnectionClosed) as info:
+                kvd.alloc("host0", 1)
+            said = info.value.message
+            assert said.startswith(("the daemon closed the connection; ", "connection to the daemon broke: ",
+                                    "cannot send to the daemon: ")), said
+            assert "the daemon stopped or was killed (its log or `journalctl -u kvd` says why)" in said, said
+            assert said.endswith(LOST), said
+
+
+async def test_async_client_waiting_when_its_daemon_is_killed(daemon_factory: Callable[..., DaemonProcess]) -> None:
+    d = daemon_factory(name="gone")
+    async with open_client(d.socket_path, client="gen-rank0") as kvd:
+        [pool] = await kvd.pools()
+        assert pool.layout is not None
+        ids = await kvd.alloc("host0", 1)
+        await kvd.expect("r", "host0", pool.layout, 0, ids)
+        failed: list[ConnectionClosed] = []
+
+        async def wait() -> None:
+            with pytest.raises(ConnectionClosed) as info:
+                await kvd.wait("r", timeout_s=600)
+            failed.append(info.value)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(wait)
+            # whether the wait is on the wire yet or not, it fails with the same advice
+            await trio.to_thread.run_sync(d.kill)
+        [exc] = failed
+        assert exc.message.startswith(("the daemon closed the connection; ", "connection to the daemon broke: ",
+                                       "cannot send to the daemon: ")), exc.message
+        assert exc.message.endswith(LOST), exc.message
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None,
+                    reason="needs root and setpriv to run a client as another uid")
+@pytest.mark.parametrize("access", [None, {"allowed_uids": [1234]}])
+def test_a_refused_user_is_told_how_to_get_in(daemon_factory: Callable[..., DaemonProcess], short_tmp: Path,
+                                              access: dict[str, list[int]] | None) -> None:
+    """A user the ``[access]`` policy refuses was told who may connect, not what to change."""
+    short_tmp.chmod(0o755)
+    cfg: dict[str, Any] = {"pools": [host_pool("host0")], "socket_mode": 0o666}
+    if access is not None:
+        cfg["access"] = access
+    d = daemon_factory(cfg, name="acl")
+    run = _as_nobody([sys.executable, "-c", CLIENT, d.socket_path])
+    assert run.returncode == 0, run.stderr
+    [result] = [json.loads(line) for line in run.stdout.splitlines()]
+    assert result["ok"] is False and result["code"] == "permission_denied", result
+    said = result["message"]
+    assert said.startswith(f"peer pid {result['pid']} (uid {NOBODY}, gid {NOBODY}) is not allowed to use this daemon: ")
+    if access is None:
+        assert said.endswith("only root, uid 0 and members of group 0 may connect; add this user to group 0 "
+                             "(usermod -aG, effective from its next login), or list its uid or gid in [access] "
+                             "allowed_uids / allowed_gids of the daemon's configuration"), said
+    else:
+        assert said.endswith("members of gids []; list this uid or one of its groups in [access] allowed_uids / "
+                             "allowed_gids of the daemon's configuration"), said
