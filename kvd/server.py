@@ -177,11 +177,15 @@ async def _drain(daemon: Daemon, engine: Engine, notifier: Notifier) -> None:
         with trio.move_on_after(DRAIN_ABORT_GRACE_S):
             await engine.wait_idle()
         left_over = engine.inflight()
-    # Executors blocked in Wait get their completions before the sessions close (every side
-    # here has reported by now; bounded all the same: a slow reader does not hold the stop).
+    # Executors blocked in Wait get their completions before the sessions close, and peers the
+    # last messages queued for them before the links close (a gen side whose data is out hears
+    # so: cancelled with a data-done taken but unwritten, its link's writer would drop it, and
+    # the gen side, its link lost, could not tell whether a write was still on its way). Every
+    # side here has reported by now; bounded all the same: a slow reader does not hold the stop.
     with trio.move_on_after(DRAIN_REPLY_GRACE_S):
         while any(s.inflight for s in daemon.sessions.values()):
             await trio.sleep(DRAIN_REPLY_POLL_S)
+        await engine.flush_links()
     notifier.status(f"stopping: {len(left_over)} transfer(s) cancelled" if left_over else "stopping: drained")
     log.info("daemon.stopping", transfers_active=len(left_over))
 

@@ -13,7 +13,7 @@ import os
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -63,6 +63,15 @@ def wait_until(predicate: Any, what: str, timeout: float = IO_TIMEOUT) -> None:
 
 def fd_count(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def fd_targets(pid: int) -> dict[int, str]:
+    """The process's descriptors and what each refers to (for a failure message)."""
+    out: dict[int, str] = {}
+    for name in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):  # closed meanwhile
+            out[int(name)] = os.readlink(f"/proc/{pid}/fd/{name}")
+    return out
 
 
 def _receive_frame(sock: socket.socket, frames: FrameBuffer, ready: list[Any], decode: Callable[[bytes], Any]) -> Any:
@@ -173,14 +182,16 @@ class Baseline:
     daemon: DaemonProcess
     fds: int
     log_lines: int
+    #: the descriptors when ``fds`` was counted (the probe's connection among them)
+    fd_map: dict[int, str] = field(default_factory=dict)
 
     @classmethod
     def take(cls, d: DaemonProcess) -> Baseline:
         with Client(d.socket_path, client="warmup", timeout=IO_TIMEOUT) as c:
             ids = c.alloc(c.pools()[0].name, 1)
             c.free(c.pools()[0].name, ids)
-        fds = _idle(d)
-        return cls(d, fds, len(d.log().splitlines()))
+        fds, fd_map = _idle(d)
+        return cls(d, fds, len(d.log().splitlines()), fd_map)
 
     def new_log(self) -> list[dict[str, Any]]:
         """Log records written since the baseline."""
@@ -200,24 +211,33 @@ class Baseline:
             ids = c.alloc(pool, 2)
             assert c.free(pool, ids) == 2
         _idle(d)
-        wait_until(lambda: fd_count(d.pid) <= self.fds, f"fd count back to {self.fds} (is {fd_count(d.pid)})")
+        deadline = time.monotonic() + IO_TIMEOUT
+        while len(now := fd_targets(d.pid)) > self.fds:
+            if time.monotonic() > deadline:
+                new = {fd: what for fd, what in now.items() if self.fd_map.get(fd) != what}
+                gone = {fd: what for fd, what in self.fd_map.items() if now.get(fd) != what}
+                raise AssertionError(f"fd count not back to {self.fds} within {IO_TIMEOUT} s (is {len(now)}): "
+                                     f"new since the baseline {new}, gone since {gone}")
+            time.sleep(0.01)
         text = d.log()
         assert "Traceback" not in text and '"exception"' not in text, text[-4000:]
 
 
-def _idle(d: DaemonProcess) -> int:
+def _idle(d: DaemonProcess) -> tuple[int, dict[int, str]]:
     """Wait until only our probe's session is left and no block is leased.
 
     Returns the daemon's descriptors without the probe's connection, counted while the probe
-    is the only session (a session's descriptor is closed in the same step that ends it).
+    is the only session (a session's descriptor is closed in the same step that ends it), and
+    what they were then (the probe's among them).
     """
-    fds: list[int] = []
+    fds: list[tuple[int, dict[int, str]]] = []
 
     def idle() -> bool:
         with Client(d.socket_path, client="probe", timeout=IO_TIMEOUT) as c:
             st = c.stats()
             if st.sessions == 1 and st.blocks_leased == 0:
-                fds.append(fd_count(d.pid) - 1)
+                targets = fd_targets(d.pid)
+                fds.append((len(targets) - 1, targets))
                 return True
             return False
 

@@ -287,6 +287,11 @@ async def test_client_killed_mid_request_does_not_disturb_others(shared_daemon: 
             await trio.sleep(0)
 
     async with open_client(path, client="survivor") as kvd:
+        # the module's daemon: an earlier test's closed session may not have ended yet (the
+        # daemon ends it when it reads the hang-up); the counts below are of this test's two
+        with trio.fail_after(20):
+            while (await kvd.stats()).sessions != 1:
+                await trio.sleep(0.01)
         mine = await kvd.alloc("host0", 3)
         with trio.fail_after(60):
             async with trio.open_nursery() as nursery:

@@ -313,6 +313,10 @@ def test_fuzz_peer_port(peer_daemon: tuple[DaemonProcess, bytes]) -> None:
     # the last link is gone, nothing leaked, no traceback
     with Client(d.socket_path, timeout=IO_TIMEOUT) as c:
         wait_until(lambda: c.stats().peers_connected == 0, "the fuzzer's last link to close")
+        # a transfer its messages started fails with the link, and counts as active until its
+        # actor has ended (a few scheduler passes later): wait for that; one that never ends
+        # times out
+        wait_until(lambda: c.stats().transfers_active == 0, "the fuzzer's transfers to end")
         st = c.stats()
         assert st.blocks_leased == 0 and st.transfers_active == 0
     base.check()

@@ -312,7 +312,9 @@ def test_idle_connections_cannot_lock_anyone_out(daemon_factory: Factory, short_
             # ...but sessions are untouched, and an operator still gets in (the reserve)
             assert before.ping(b"x") == b"x"
             with Client(d.socket_path, client="operator", timeout=IO_TIMEOUT) as op:
-                assert op.stats().sessions == 2
+                # no idle connection became a session: "before" and ours (the baseline's probe
+                # hung up earlier; the daemon ends its session once it reads that)
+                wait_until(lambda: op.stats().sessions == 2, "the sessions to be before's and ours")
             proc.stdin.write("go\n")
             proc.stdin.flush()
             codes = json.loads(proc.stdout.readline())
@@ -491,9 +493,14 @@ def test_a_reply_too_large_fails_the_request_not_the_session(daemon_factory: Fac
         assert isinstance(page, m.TransfersReply) and page.total == n, page
         seen += [t.request_id for t in page.transfers]
     assert sorted(seen) == rids
-    raw.close()  # the session's requests are cancelled and its block returned
+    # before the hang-up: once the daemon reads it, each of the session's requests fails with
+    # a transfer.failed warning of its own, written while the test would be reading the log
     _one_warning(base, "session.reply_too_large")
-    base.check()
+    raw.close()  # the session's requests are cancelled and its block returned
+    base.check()  # (idle: every request reported, so every line of theirs is written)
+    failed = [r for r in base.new_warnings() if r["event"] != "session.reply_too_large"]
+    assert {(r["event"], r["code"]) for r in failed} == {("transfer.failed", "transfer_cancelled")}
+    assert sorted(r["request_id"] for r in failed) == rids
 
 
 # --- 9. a flood of wrong-secret handshakes ---------------------------------------------------------

@@ -71,8 +71,15 @@ def served() -> Iterator[tuple[DaemonProcess, Client, KVLayout]]:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
+def _only_holder(holder: Client) -> None:
+    """Wait until the holder's session is the daemon's only one: an earlier kvctl run has
+    exited, but the daemon ends its session when it reads the hang-up, a moment later."""
+    _until(lambda: holder.stats().sessions == 1, "the sessions of earlier kvctl runs to end")
+
+
 def test_status_and_stats(served: Any) -> None:
-    d, _holder, _layout = served
+    d, holder, _layout = served
+    _only_holder(holder)
     st = ok_json("status", socket=d.socket_path)
     assert st["node"] == "ctl" and st["draining"] is False
     assert st["sessions"] == 2  # the holder and kvctl itself
@@ -80,6 +87,7 @@ def test_status_and_stats(served: Any) -> None:
     assert [p["name"] for p in st["pools"]] == ["host0", "host1"]
     assert ok_json("stats", socket=d.socket_path)["blocks_leased"] == 3
 
+    _only_holder(holder)
     run = kvctl("status", socket=d.socket_path)
     assert run.returncode == 0 and run.stderr == ""
     out = run.stdout
@@ -189,7 +197,8 @@ def test_config(served: Any) -> None:
 
 
 def test_exit_code_1_when_the_daemon_refuses(served: Any) -> None:
-    d, _holder, _layout = served
+    d, holder, _layout = served
+    _only_holder(holder)  # else a slot still held by an earlier kvctl's session refuses a filler
     extra = [Client(d.socket_path, client=f"filler{i}", timeout=10) for i in range(MAX_SESSIONS - 1)]
     try:
         run = kvctl("status", socket=d.socket_path)
@@ -578,13 +587,19 @@ def test_lists_follow_the_pages_to_the_end(daemon_factory: Callable[..., DaemonP
         run = kvctl("transfers", "--offset", "9", socket=d.socket_path)
         assert run.returncode == 0 and run.stdout.splitlines()[0] == "transfers: none at offset 9 (7 in all)"
 
-        # sessions: the four holders and kvctl's own session, in pages of one
+        # sessions: the four holders and kvctl's own session, in pages of one (the earlier kvctl
+        # runs have exited; the daemon ends their sessions when it reads the hang-ups)
+        def holders_only() -> None:
+            _until(lambda: holders[0].stats().sessions == 4, "the earlier kvctl sessions to end")
+
+        holders_only()
         sessions = ok_json("sessions", "--page-size", "1", socket=d.socket_path)
         names = [s["client"] for s in sessions]
         assert names[:4] == [f"holder-{i}" for i in range(4)] and names[4] == "kvctl"
         assert len(names) == 5
         window = ok_json("sessions", "--offset", "1", "--limit", "2", "--page-size", "1", socket=d.socket_path)
         assert [s["client"] for s in window] == ["holder-1", "holder-2"]
+        holders_only()
         run = kvctl("sessions", "--limit", "2", socket=d.socket_path)
         assert run.returncode == 0 and run.stdout.splitlines()[0] == "sessions 1-2 of 5"
         assert "holder-0" in run.stdout and "holder-1" in run.stdout and "holder-2" not in run.stdout

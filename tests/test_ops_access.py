@@ -17,6 +17,7 @@ import sys
 import textwrap
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ import pytest
 from clients import Client
 from kvd.demo.launch import DaemonProcess
 from tests.conftest import host_pool
+from tests.hostile import wait_until
 
 NOBODY = 65534
 
@@ -54,6 +56,10 @@ CLIENT = textwrap.dedent(
 def _as_nobody(args: list[str], **kw: Any) -> subprocess.CompletedProcess[str]:
     cmd = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd="/", **kw)
+
+
+def _only_session(c: Client) -> bool:
+    return c.stats().sessions == 1
 
 
 def _events(d: DaemonProcess, event: str) -> list[dict[str, Any]]:
@@ -131,8 +137,10 @@ def test_policy_decides_who_may_connect(open_daemon: Callable[..., DaemonProcess
         assert len(_events(default, "session.rejected")) == 2
 
         # the root sessions were not disturbed, and nothing leaked
+        # (the nobody client has exited; a daemon ends its session when it reads the hang-up)
         for c in roots:
             assert c.ping(b"root") == b"root"
+            wait_until(partial(_only_session, c), "the nobody client's session to end")
             st = c.stats()
             assert st.blocks_leased == 0 and st.sessions == 1
     finally:

@@ -699,6 +699,49 @@ async def test_a_send_cancelled_while_waiting_still_goes_out_in_order() -> None:
     await cb.aclose()
 
 
+async def test_a_writer_cancelled_before_it_writes_leaves_its_frames_to_the_goodbye() -> None:
+    """The writer woke for a queued frame and got the lock, but is cancelled before it runs
+    again (a daemon stopping right after a transfer's last message): the frame stays queued
+    and the goodbye that closes the link takes it along. It used to be taken and dropped, and
+    the peer's side, its link lost, could not tell whether more writes were on their way."""
+    ca, cb = await _socket_pair()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(ca.run_writer)
+        await trio.testing.wait_all_tasks_blocked()
+        await ca._send_lock.acquire()  # a write under way: the frame is queued
+        assert ca.send_nowait(Ping(payload=b"last"))
+        await trio.testing.wait_all_tasks_blocked()  # the writer woke and waits for the lock
+        ca._send_lock.release()  # handed to the writer, which is cancelled before it runs again
+        nursery.cancel_scope.cancel()
+    await ca.aclose("bye")
+    assert (await cb.receive()).payload == b"last"  # type: ignore[attr-defined]
+    with pytest.raises(ConnectionClosed, match="bye"):
+        await cb.receive()
+    await cb.aclose()
+
+
+async def test_flush_returns_once_the_queued_frames_are_written() -> None:
+    """A frame queued behind a write under way is in the stream once flush returns: the
+    writer cancelled right after cannot lose it (a stopping daemon flushes its links)."""
+    ca, cb = await _socket_pair()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(ca.run_writer)
+        await trio.testing.wait_all_tasks_blocked()
+        await ca._send_lock.acquire()
+        assert ca.send_nowait(Ping(payload=b"queued"))
+        ca._send_lock.release()
+        await ca.flush()
+        nursery.cancel_scope.cancel()
+    await trio.aclose_forcefully(ca.stream)  # no goodbye: what arrives was written by then
+    assert (await cb.receive()).payload == b"queued"  # type: ignore[attr-defined]
+    with pytest.raises(ConnectionClosed):
+        await cb.receive()
+    await cb.aclose()
+
+
+    await cb.aclose()
+
+
 async def test_takes_nowait_only_while_the_writer_runs() -> None:
     """A link that just came up has no writer yet: callers must send awaited then (a transfer
     whose first message met such a link failed with an internal error)."""

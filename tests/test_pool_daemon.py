@@ -246,6 +246,9 @@ def test_sigkilled_executor_returns_all_blocks(pool_daemon: DaemonProcess, execu
     # the returned blocks can be leased again, all of them
     with Client(pool_daemon.socket_path, timeout=10) as c:
         assert len(c.alloc("host0", 64)) == 64
+    # the next test allocates at once: wait until the daemon ended that session (it does when
+    # it reads the hang-up, not when the Client's close returns)
+    _wait_until(lambda: c_stats(pool_daemon).blocks_leased == 0, "the 64 blocks returned")
 
 
 # --- misuse: a clear error, and nothing changes ------------------------------------------------

@@ -23,7 +23,7 @@ import trio
 
 from clients import open_client
 from clients.client import AsyncClient
-from kvd.demo.launch import start_daemon
+from kvd.demo.launch import DaemonProcess, start_daemon
 from kvd.ops.history import HISTORY_SIZE
 from protocol.errors import NotFound, OutOfBlocks, TransferCancelled, TransferTimeout, WaitTimeout
 from protocol.layout import KVLayout
@@ -45,6 +45,11 @@ def _rss_kib(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1])
     raise AssertionError("no VmRSS")  # pragma: no cover
+
+
+def _logged(d: DaemonProcess, event: str) -> int:
+    """How many ``event`` lines the daemon wrote."""
+    return sum(json.loads(line)["event"] == event for line in d.log().splitlines() if line.startswith("{"))
 
 
 def _fds(pid: int) -> int:
@@ -179,6 +184,11 @@ async def test_soak_50_clients_leave_nothing_behind() -> None:
             assert st.transfers_active == 0
             assert all(p.blocks_used == 0 and p.blocks_free == 4096 for p in st.pools)
             assert st.transfers_done == 2 * done["transfer"]
+        # the check session has hung up as well; the daemon ends a session (logs session.closed,
+        # closes its descriptor) when it reads the hang-up: wait for that before counting
+        with trio.fail_after(20):
+            while _logged(d, "session.closed") < done["sessions"] + 1:
+                await trio.sleep(0.02)
         rss["end"] = _rss_kib(d.pid)
         fds_after = _fds(d.pid)
 

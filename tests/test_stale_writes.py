@@ -150,6 +150,11 @@ async def test_no_write_lands_after_failure(daemon_factory: Factory, short_tmp: 
             await trio.sleep(2.0)  # the window the failed sender had to do harm in
             damaged = (view[index] != PATTERN).flatten(1).any(dim=1)
             assert not bool(damaged.any()), f"{int(damaged.sum())} of {len(mine)} blocks were overwritten"
+        # the thawed ctx daemon learns of the failure from gen or from its lost link, and logs
+        # it when it does: wait for that line (it may come after gen's report)
+        with trio.fail_after(30):
+            while '"transfer.failed"' not in pair.ctx.log():
+                await trio.sleep(0.02)
         ctx_log = pair.ctx.log()
         assert ctx_log.count('"transfer.failed"') == 1 and '"transfer.done"' not in ctx_log
         gen_log = pair.gen.log()

@@ -41,19 +41,19 @@ async def assert_clean(*daemons: DaemonProcess) -> None:
 
 async def register_gen(d: DaemonProcess, rid: str, *, deadline_s: float, nursery: trio.Nursery,
                        results: dict[int, BaseException | object], blocks: int = 4) -> None:
-    """Both gen ranks expect ``rid``; their wait outcomes land in ``results``."""
+    """Both gen ranks expect ``rid``; their wait outcomes land in ``results`` (at ``r``), and
+    when each wait returned (``time.monotonic()``, at ``r + 100``)."""
 
     async def rank(r: int, task_status: trio.TaskStatus[None]) -> None:
         async with open_client(d.socket_path, client=f"gen{r}") as c:
             ids = await c.alloc(f"gen{r}", blocks)
             await c.expect(rid, f"gen{r}", GEN, r, ids, deadline_s=deadline_s)
             task_status.started()
-            t0 = time.monotonic()
             try:
                 results[r] = await c.wait(rid)
             except KvdError as exc:
                 results[r] = exc
-            results[r + 100] = time.monotonic() - t0
+            results[r + 100] = time.monotonic()
 
     for r in range(2):
         await nursery.start(rank, r)
@@ -72,6 +72,7 @@ async def publish_ctx(d: DaemonProcess, rid: str, *, deadline_s: float, blocks: 
 async def test_deadline_expiry_when_ctx_never_publishes(daemon_factory: Factory, short_tmp: Path) -> None:
     pair = start_pair(daemon_factory, short_tmp, CTX, GEN)
     results: dict[int, object] = {}
+    t0 = time.monotonic()
     async with trio.open_nursery() as n:
         await register_gen(pair.gen, "r-deadline", deadline_s=1.0, nursery=n, results=results)
     for r in range(2):
@@ -82,7 +83,9 @@ async def test_deadline_expiry_when_ctx_never_publishes(daemon_factory: Factory,
                                       "the ctx side to publish; check that the ctx executors publish this request "
                                       "id with this daemon as their peer"), res.message
         assert "deadline_s" in res.message and "(state " not in res.message
-        assert results[r + 100] < 3.0  # type: ignore[operator]
+        # at the deadline, not never: a bound with room for a loaded machine (the message says
+        # it was the deadline, not another timer)
+        assert results[r + 100] - t0 < 10.0  # type: ignore[operator]
     await assert_clean(pair.ctx, pair.gen)
 
 
@@ -93,7 +96,7 @@ async def test_deadline_expiry_when_gen_never_expects(daemon_factory: Factory, s
     assert isinstance(res, TransferTimeout), res
     assert "peer 'gen' never accepted the offer" in str(res) and "gen rank" in str(res)  # says where to look
     assert res.message.startswith("request 'r-noexpect' (ctx side) missed its deadline of 1 s: "), res.message
-    assert time.monotonic() - t0 < 3.0
+    assert time.monotonic() - t0 < 10.0  # at the deadline (room for a loaded machine), not never
     await assert_clean(pair.ctx, pair.gen)
 
 
@@ -190,7 +193,12 @@ async def test_peer_without_the_secret_is_refused(daemon_factory: Factory, short
     assert "auth" in str(res).lower()
     for r in range(2):
         assert isinstance(results[r], TransferTimeout), results[r]
-    assert '"peer.auth_failed"' in gen.log() and '"peer.auth_failed"' in ctx.log()
+    # ctx logs its refusal before its publish fails; gen logs its own when it reads ctx's,
+    # which may come a moment later
+    assert '"peer.auth_failed"' in ctx.log()
+    with trio.fail_after(20):
+        while '"peer.auth_failed"' not in gen.log():
+            await trio.sleep(0.02)
     await assert_clean(ctx, gen)
 
 
@@ -231,7 +239,7 @@ async def test_peer_killed_mid_transfer(daemon_factory: Factory, short_tmp: Path
     async def gen_rank(r: int, task_status: trio.TaskStatus[None]) -> None:
         async with open_client(pair.gen.socket_path) as c:
             ids = await c.alloc(f"gen{r}", 64)
-            await c.expect("r-kill", f"gen{r}", gen_l, r, ids, deadline_s=20)
+            await c.expect("r-kill", f"gen{r}", gen_l, r, ids, deadline_s=60)
             task_status.started()
             try:
                 results[r] = await c.wait("r-kill")
@@ -252,10 +260,11 @@ async def test_peer_killed_mid_transfer(daemon_factory: Factory, short_tmp: Path
         n.start_soon(killer)
         async with open_client(pair.ctx.socket_path) as c:
             ids = await c.alloc("ctx0", 64)
-            await c.publish("r-kill", "ctx0", ctx_l, 0, ids, peer="gen", deadline_s=20)
+            await c.publish("r-kill", "ctx0", ctx_l, 0, ids, peer="gen", deadline_s=60)
             with pytest.raises((PeerUnavailable, KvdError)) as info:
                 await c.wait("r-kill")
-    assert time.monotonic() - t0 < 15
+    # long before the 60 s deadline (room for a loaded machine): the kill ended it, not the clock
+    assert time.monotonic() - t0 < 45
     assert isinstance(info.value, PeerUnavailable) or "disconnect" in str(info.value), info.value
     for r in range(2):  # the gen executors lost their daemon: a clean connection error
         assert isinstance(results[r], KvdError), results[r]
@@ -293,13 +302,16 @@ async def test_executor_killed_after_publish(daemon_factory: Factory, short_tmp:
                 while not any(t.request_id == "r-exec" and t.role == "ctx" and t.state == "sending"
                               for t in await c.transfers()):
                     await trio.sleep(0.02)
+        killed = time.monotonic()
         proc.kill()
         proc.wait()
         proc.stdout.close()
     for r in range(2):
         assert isinstance(results[r], TransferCancelled), results[r]
         assert "session" in str(results[r])
-        assert results[r + 100] < 10  # type: ignore[operator]
+        # told when the executor died, far from the 30 s deadline (timed from the kill: the
+        # executor's start-up before it is no part of it)
+        assert results[r + 100] - killed < 20  # type: ignore[operator]
     await assert_clean(pair.ctx, pair.gen)
 
 

@@ -14,7 +14,7 @@ from protocol import messages as m
 from protocol.codec import encode
 from protocol.layout import KVLayout
 from tests.conftest import host_pool
-from tests.hostile import IO_TIMEOUT, Raw, events
+from tests.hostile import IO_TIMEOUT, Raw, events, wait_until
 
 Factory = Callable[..., DaemonProcess]
 ONE = KVLayout(num_layers=4, num_kv_heads=8, head_dim=64, tokens_per_block=32, dtype="bfloat16")
@@ -131,10 +131,8 @@ def test_a_session_that_ends_with_waits_pending_leaves_the_daemon_serving(daemon
     raw.close()
     with Client(d.socket_path, client="after") as c:
         assert c.ping(b"up") == b"up"
-        while c.stats().sessions != 1:  # the raw session's end (its leases returned)
-            pass
-        while c.stats().transfers_active:
-            pass
+        wait_until(lambda: c.stats().sessions == 1, "the raw session's end (its leases returned)")
+        wait_until(lambda: c.stats().transfers_active == 0, "its failed transfer's end")
         assert c.stats().transfers_failed == 1
     failed = events(d, "transfer.failed")
     assert [(e["request_id"], e["role"]) for e in failed] == [("orphan", "gen")], failed

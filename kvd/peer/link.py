@@ -174,14 +174,30 @@ class PeerConnection:
                 raise ConnectionClosed(f"link to {self.describe()} broke: {self.write_error}", by_peer=True)
             if not self._outbox:
                 return  # the writer wrote it, in order, before we got the lock
+            # cancelled now (a stopping daemon): the frames stay queued for the goodbye, in order
+            await trio.lowlevel.checkpoint_if_cancelled()
             data = b"".join(self._outbox)
             self._outbox.clear()
-            try:
-                await self.stream.send_all(data)
-            except trio.BrokenResourceError as exc:
-                raise ConnectionClosed(f"link to {self.describe()} broke: {exc}", by_peer=True) from None
-            except trio.ClosedResourceError:
-                raise ConnectionClosed(f"link to {self.describe()} was closed by us", by_peer=False) from None
+            await self._write(data)
+
+    async def flush(self) -> None:
+        """Return once every frame :meth:`send_nowait` queued before the call is written to the
+        stream (a write under way included). A daemon that stops next, cancelling the writer,
+        loses none of them: a writer cancelled between taking the queued frames and writing
+        them would drop them. Raises ``ConnectionClosed`` when the link is gone."""
+        async with self._send_lock:
+            if self._outbox:
+                data = b"".join(self._outbox)
+                self._outbox.clear()
+                await self._write(data)
+
+    async def _write(self, data: bytes) -> None:
+        try:
+            await self.stream.send_all(data)
+        except trio.BrokenResourceError as exc:
+            raise ConnectionClosed(f"link to {self.describe()} broke: {exc}", by_peer=True) from None
+        except trio.ClosedResourceError:
+            raise ConnectionClosed(f"link to {self.describe()} was closed by us", by_peer=False) from None
 
     @property
     def takes_nowait(self) -> bool:
@@ -255,6 +271,9 @@ class PeerConnection:
                 async with self._send_lock:
                     if not self._outbox:
                         continue  # a send() took them along
+                    # cancelled (the daemon stopping) before the write: leave the frames queued
+                    # for the goodbye (aclose) rather than take them and drop them in send_all
+                    await trio.lowlevel.checkpoint_if_cancelled()
                     data = b"".join(self._outbox)
                     self._outbox.clear()
                     await self.stream.send_all(data)

@@ -341,6 +341,13 @@ class PeerLinks:
             await self._serve(conn, dialled_by=self.config.node)
             await trio.sleep(0.1)
 
+    async def flush(self) -> None:
+        """Write out what every link has queued (see :meth:`PeerConnection.flush`): a stopping
+        daemon's last transfer messages (a data-done, a failure) reach its peers."""
+        for link in list(self.links.values()):
+            with contextlib.suppress(KvdError):  # a link that broke meanwhile has no one to tell
+                await link.conn.flush()
+
     def _yields_to(self, node: str) -> bool:
         """Whether a link ``node`` dialled is the one kept over ours (its name sorts first)."""
         return node < self.config.node

@@ -169,6 +169,12 @@ class Engine:
         while self._running:
             await self._idle.wait()
 
+    async def flush_links(self) -> None:
+        """Write out the transfer messages still queued on the peer links (a stopping daemon
+        calls it before the links close)."""
+        if self.links is not None:
+            await self.links.flush()
+
     async def drained(self) -> None:
         """Alias of :meth:`wait_idle` (the daemon's drain)."""
         await self.wait_idle()
