@@ -118,6 +118,45 @@ async def test_local_publish_whose_gen_side_never_expects_says_so(daemon_factory
     await assert_clean(solo)
 
 
+async def test_a_gen_rank_naming_no_peer_learns_of_a_ctx_abort_that_came_first(
+        daemon_factory: Factory, short_tmp: Path) -> None:
+    """ctx publishes and cancels before any gen rank expects the request; a gen rank that then
+    expects it without naming its ctx peer is refused with ctx's failure at once (it used to
+    register a new request and wait for its whole deadline: only a rank naming the peer
+    learnt of the abort)."""
+    import json
+
+    pair = start_pair(daemon_factory, short_tmp, CTX, GEN)
+    async with open_client(pair.ctx.socket_path, client="ctx0") as c:
+        await wait_for_peer(c)
+        ids = await c.alloc("ctx0", 4)
+        await c.publish("r-early-abort", "ctx0", CTX, 0, ids, peer="gen", deadline_s=60)
+        # the offer must reach gen before the cancel: gen counts a transfer once it has it
+        async with open_client(pair.gen.socket_path, client="probe") as probe:
+            with trio.fail_after(20):
+                while (await probe.stats()).transfers_active < 1:
+                    await trio.sleep(0.02)
+        await c.cancel("r-early-abort")
+        with pytest.raises(TransferCancelled):
+            await c.wait("r-early-abort")
+
+    def dropped() -> bool:  # gen heard ctx's failure and ended its (never registered) side
+        return any(json.loads(line).get("event") == "transfer.dropped"
+                   and json.loads(line).get("request_id") == "r-early-abort"
+                   for line in pair.gen.log().splitlines() if line.startswith("{"))
+
+    with trio.fail_after(20):
+        while not dropped():
+            await trio.sleep(0.02)
+    async with open_client(pair.gen.socket_path, client="gen0") as g:
+        gids = await g.alloc("gen0", 4)
+        t0 = time.monotonic()
+        with pytest.raises(TransferCancelled, match="already failed: ctx side failed"):
+            await g.expect("r-early-abort", "gen0", GEN, 0, gids, deadline_s=60)
+        assert time.monotonic() - t0 < 10  # refused at once, not at the 60 s deadline
+    await assert_clean(pair.ctx, pair.gen)
+
+
 def _dead_port() -> socket.socket:
     """A socket bound to a 127.0.0.1 port that never listens: a connect there is refused (kept
     open by the caller so that no one else takes the port meanwhile)."""

@@ -232,8 +232,10 @@ class Engine:
                 continue
             if not t.finished.is_set():
                 return p, t  # an offer that came first (or the gen side it already has)
-            if t.sides.get(f.Role.GEN) is not None and t.machine.state(f.Role.GEN) in f.FINAL:
-                ended = (p, t)  # a late rank of a side that already ended: it learns how
+            if t.machine.state(f.Role.GEN) in f.FINAL:
+                # a late rank of a side that already ended learns how; so does the first rank
+                # when ctx's offer and then its failure came before any rank (a ctx abort)
+                ended = (p, t)
         local_ctx = self.transfers.get((self.node, rid))
         if local_ctx is not None and not local_ctx.finished.is_set():
             return self.node, local_ctx
