@@ -623,10 +623,6 @@ def row_size(*arrays: Int64Array, limit: int = 0) -> int:
 #: contiguous (torch path). It bounds the scratch buffer: glibc maps allocations above 32 MiB
 #: fresh each time, and first-touch page faults then dominate; 16 MiB stays in the heap.
 APPLY_STEP_BYTES = 16 << 20
-#: Bytes per indexed step of a host copy through numpy (the scratch between gather and
-#: store): small enough to stay in cache. GPT-OSS TP1 -> TP4 on the 2-core dev box: 7-8 GB/s,
-#: where 16 MiB steps with a buffered ``np.take`` moved 2.2 (and torch's indexed copies 0.5).
-HOST_SCRATCH_BYTES = 1 << 20
 #: The same on CUDA, where the caching allocator reuses memory: fewer, larger steps.
 APPLY_STEP_BYTES_CUDA = 256 << 20
 
@@ -637,7 +633,7 @@ class FragmentCopier:
 
     Rows are R = gcd(all offsets and lengths) bytes, so the index has total/R entries (R = 8 KiB
     for the GPT-OSS regroup), never one per byte; the copy goes through a scratch buffer of at
-    most ``HOST_SCRATCH_BYTES`` on host memory (``APPLY_STEP_BYTES_CUDA`` on CUDA) and Python
+    most ``kvd.regroup.hostkernel.SCRATCH_BYTES`` on host memory (``APPLY_STEP_BYTES_CUDA`` on CUDA) and Python
     loops once per step, not per fragment. Device copies of the index are cached per device."""
 
     def __init__(self, frags: Int64Array) -> None:
@@ -653,20 +649,15 @@ class FragmentCopier:
         if self.nbytes == 0:
             return
         r, si, di = self.row, self.src_index, self.dst_index
-        src_np, dst_np = _host_array(src_pool), _host_array(dst_pool)
+        from kvd.regroup import hostkernel  # (it imports this module: imported when first used)
+
+        src_np, dst_np = hostkernel.host_view(src_pool), hostkernel.host_view(dst_pool)
         if src_np is not None and dst_np is not None:
-            # host memory, numpy or CPU torch (numpy's indexed copies run ~4x faster than
-            # torch's on CPU): through a scratch small enough to stay in cache
-            step = max(1, HOST_SCRATCH_BYTES // r)
-            src_rows = _np_rows(src_np, r)
-            dst_rows = _np_rows(dst_np, r)
-            scratch = np.empty((min(step, si.size), r), dtype=np.uint8)
-            for k in range(0, si.size, step):
-                n = min(step, si.size - k)
-                # mode="clip": the row indices are in range by construction; the default
-                # "raise" makes numpy buffer ``out`` (a hidden extra copy)
-                np.take(src_rows, si[k : k + n], axis=0, out=scratch[:n], mode="clip")
-                dst_rows[di[k : k + n]] = scratch[:n]
+            # host memory, numpy or CPU torch: numpy's indexed copies (the row indices are in
+            # range by construction)
+            step = hostkernel.scratch_rows(r)
+            hostkernel.copy_rows(_np_rows(src_np, r), _np_rows(dst_np, r),
+                                 ((si[k : k + step], di[k : k + step]) for k in range(0, si.size, step)))
             return
         import torch
 
@@ -695,19 +686,6 @@ class FragmentCopier:
 def copy_fragments(frags: Int64Array, src_pool: Pool, dst_pool: Pool) -> None:
     """One-off :meth:`FragmentCopier.copy` of fragments (N, 3) from ``src_pool`` to ``dst_pool``."""
     FragmentCopier(frags).copy(src_pool, dst_pool)
-
-
-def _host_array(pool: Pool) -> npt.NDArray[Any] | None:
-    """``pool`` as a numpy array when it is host memory (numpy, or a CPU torch tensor: a
-    view, no copy); None for device memory."""
-    if isinstance(pool, np.ndarray):
-        return pool
-    if pool.device.type != "cpu" or not pool.is_contiguous():
-        return None  # the torch path copies (or refuses) it
-    import torch
-
-    out: npt.NDArray[Any] = pool.reshape(-1).view(torch.uint8).numpy()  # bf16 has no numpy dtype
-    return out
 
 
 def _np_rows(pool: npt.NDArray[Any], row: int) -> npt.NDArray[Any]:
