@@ -169,27 +169,24 @@ class PeerConnection:
             raise ConnectionClosed(f"link to {self.describe()} was closed by us", by_peer=False)
         self._outbox.append(data)
         self._outbox_ready.set()  # cancelled while waiting, the writer still sends it, in order
+        await self.flush()
+
+    async def flush(self) -> None:
+        """Return once every frame queued before the call (by :meth:`send_nowait` or a
+        :meth:`send`) is written to the stream, by this call or by the writer (a write under way
+        included). A daemon that stops next, cancelling the writer, loses none of them: a writer
+        cancelled between taking the queued frames and writing them would drop them. Raises
+        ``ConnectionClosed`` when the link is gone."""
         async with self._send_lock:
-            if self.write_error:  # the writer took our frame (or one before it) and failed
+            if self.write_error:  # the writer took our frames (or ones before them) and failed
                 raise ConnectionClosed(f"link to {self.describe()} broke: {self.write_error}", by_peer=True)
             if not self._outbox:
-                return  # the writer wrote it, in order, before we got the lock
+                return  # the writer wrote them, in order, before we got the lock
             # cancelled now (a stopping daemon): the frames stay queued for the goodbye, in order
             await trio.lowlevel.checkpoint_if_cancelled()
             data = b"".join(self._outbox)
             self._outbox.clear()
             await self._write(data)
-
-    async def flush(self) -> None:
-        """Return once every frame :meth:`send_nowait` queued before the call is written to the
-        stream (a write under way included). A daemon that stops next, cancelling the writer,
-        loses none of them: a writer cancelled between taking the queued frames and writing
-        them would drop them. Raises ``ConnectionClosed`` when the link is gone."""
-        async with self._send_lock:
-            if self._outbox:
-                data = b"".join(self._outbox)
-                self._outbox.clear()
-                await self._write(data)
 
     async def _write(self, data: bytes) -> None:
         try:
