@@ -114,10 +114,7 @@ class Client:
 
     def _call_with_fds(self, msg: m.Message, expected: type[T]) -> tuple[T, list[int]]:
         with self._lock:
-            try:
-                self._sock.sendall(encode(msg))
-            except OSError as exc:
-                raise connection_lost(f"cannot send to the daemon: {exc}") from None
+            self._send(encode(msg))
             reply, fds = self._receive_reply(msg.id)
         try:
             return check_reply(reply, expected), fds
@@ -126,12 +123,27 @@ class Client:
                 os.close(fd)
             raise
 
+    def _send(self, data: bytes) -> None:
+        """Write ``data`` (whole frames) to the daemon; called with the lock held."""
+        try:
+            self._sock.sendall(data)
+        except OSError as exc:
+            raise connection_lost(f"cannot send to the daemon: {exc}") from None
+
+    def _route(self, reply: m.Message) -> bool:
+        """Take a reply that is not the one a call waits for; False (the default): it is dropped
+        (a call that gave up). A subclass keeps replies of its own here."""
+        return False
+
     def _receive_reply(self, request_id: int) -> tuple[m.Message, list[int]]:
-        """The reply to ``request_id`` (replies to other ids are dropped: calls that gave up)."""
+        """The reply to ``request_id``; other replies go to :meth:`_route`, and are dropped
+        when it does not take them."""
         while True:
             reply, fds = self._receive()
             if reply.id == request_id:
                 return reply, fds
+            if self._route(reply):
+                continue
             if isinstance(reply, m.Error) and reply.id == 0:
                 raise error_from_code(reply.code, reply.message)
             for fd in fds:
@@ -142,10 +154,7 @@ class Client:
         daemon takes the wait as soon as the registration is done, with no client turn between."""
         wait = wait_request(self._id(), msg.request_id, timeout_s)
         with self._lock, self._patience(timeout_s):
-            try:
-                self._sock.sendall(encode(msg) + encode(wait))
-            except OSError as exc:
-                raise connection_lost(f"cannot send to the daemon: {exc}") from None
+            self._send(encode(msg) + encode(wait))
             registered, fds = self._receive_reply(msg.id)
             _close_all(fds)
             # a refused registration raises here; its wait's reply (an error) is dropped later

@@ -30,7 +30,7 @@ from clients._wire import ANCILLARY_SIZE, connection_lost, expect_request, fds_f
 from clients.blocking import Client
 from protocol import messages as m
 from protocol.codec import decode_reply, encode
-from protocol.errors import BadRequest, error_from_code
+from protocol.errors import BadRequest
 from protocol.layout import KVLayout
 
 #: Errors of a wait that are not the request's outcome: the request goes on, so the watch is
@@ -163,12 +163,6 @@ class PollingClient(Client):
             if blocking:
                 self._sock.settimeout(self._timeout)
 
-    def _send(self, data: bytes) -> None:
-        try:
-            self._sock.sendall(data)
-        except OSError as exc:
-            raise connection_lost(f"cannot send to the daemon: {exc}") from None
-
     def _send_watched(self, registration: m.Expect | m.Publish | None, request_id: str) -> None:
         wait = m.Wait(id=self._id(), request_id=request_id)
         data = encode(wait) if registration is None else encode(registration) + encode(wait)
@@ -177,19 +171,6 @@ class PollingClient(Client):
             self._watches[wait.id] = request_id
             if registration is not None:
                 self._registrations[registration.id] = wait.id
-
-    def _receive_reply(self, request_id: int) -> tuple[m.Message, list[int]]:
-        """As :meth:`Client._receive_reply`, keeping the replies to watches and registrations."""
-        while True:
-            reply, fds = self._receive()
-            if reply.id == request_id:
-                return reply, fds
-            if self._route(reply):
-                continue
-            if isinstance(reply, m.Error) and reply.id == 0:
-                raise error_from_code(reply.code, reply.message)
-            for fd in fds:
-                os.close(fd)
 
     def _route(self, reply: m.Message) -> bool:
         """Take a reply to a watch or to a registration sent with one; False if it is neither."""
