@@ -217,8 +217,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", default="cuda", help="cuda, the default (two GPUs, or one with --gen-gpu 0)")
     parser.add_argument("--blocks", type=int, default=256, help="request size in blocks (2.25 MiB each; default 256)")
     parser.add_argument("--repeat", type=int, default=5, help="timed runs of each measurement, the best shown (default 5)")
-    parser.add_argument("--chunk-mb", type=int, default=64, help="bounce chunk size in MiB (default 64)")
-    parser.add_argument("--bounce-mb", type=int, default=512, help="bounce buffer size in MiB (default 512)")
+    parser.add_argument("--chunk-mb", type=int, default=160,
+                        help="bounce slot size in MiB, the largest chunk (default 160: a 576 MiB TP1 -> TP4 "
+                             "request goes as one chunk per pair, the fastest on GPUs)")
+    parser.add_argument("--bounce-mb", type=int, default=1280, help="bounce buffer size in MiB (default 1280: 8 slots)")
     parser.add_argument("--sizes", default="1,4,16,64,256", help="block counts for the size sweep (default 1,4,16,64,256)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     parser.add_argument("--plot", default="", help="write a PNG of GB/s against request size")
