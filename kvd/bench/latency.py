@@ -61,6 +61,9 @@ class _Executors:
     def __init__(self, ctx_d: DaemonProcess, gen_d: DaemonProcess, blocks: int,
                  geometry: dict[str, Any] | None = None) -> None:
         self.blocks = blocks
+        #: the last request's start and every executor's completion (``perf_counter``):
+        #: (t0, {"ctx": t, "gen0": t, ...})
+        self.last_times: tuple[float, dict[str, float]] = (0.0, {})
         geometry = GEOMETRY if geometry is None else geometry
         self.ctx_layout = KVLayout(**geometry, tp_size=1)
         self.ctx = Client(ctx_d.socket_path, client="bench-ctx")
@@ -144,6 +147,7 @@ class _Executors:
             waiter.join(90)
         if errors:
             raise errors[0]
+        self.last_times = (t0, dict(done_at))
         return max(done_at.values()) - t0, done_at["ctx"] - t0, nbytes[0]
 
     def close(self) -> None:
