@@ -79,9 +79,10 @@ def read_steps(path: Path) -> list[Step]:
 
 
 def run(workdir: Path, *, geometry: str, blocks: int, requests: int, mapped: bool, memory: str = "host",
-        device: int = -1, gen_device: int | None = None, warmup: int = 20) -> Trace:
+        device: int = -1, gen_device: int | None = None, warmup: int = 20, client_spin_s: float = 0.0) -> Trace:
     """Run ``requests`` traced requests (after ``warmup`` untraced-in-the-figures ones) on a
-    fresh pair of daemons in ``workdir``; returns the trace."""
+    fresh pair of daemons in ``workdir``; returns the trace. ``client_spin_s``: every
+    executor's ``Client(spin_s=)``."""
     geo = GEOMETRIES[geometry]
     os.environ["KVD_TRACE_STEPS"] = str(workdir / "trace")  # read by the daemons at start
     try:
@@ -93,7 +94,7 @@ def run(workdir: Path, *, geometry: str, blocks: int, requests: int, mapped: boo
     done: list[Request] = []
     try:
         _wait_for_link(gen_d)
-        ex = _Executors(ctx_d, gen_d, blocks, geo)
+        ex = _Executors(ctx_d, gen_d, blocks, geo, client_spin_s)
         try:
             for i in range(warmup):
                 ex.once(f"warm-{i}", True)
@@ -177,6 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory", choices=["host", "auto"], default="host", help="pool memory (auto: GPU when --device >= 0)")
     p.add_argument("--device", type=int, default=-1, help="ctx pool's GPU (default -1: host)")
     p.add_argument("--gen-device", type=int, default=None, help="gen pools' GPU (default: --device)")
+    p.add_argument("--client-spin-us", type=float, default=0.0,
+                   help="executors poll their socket this long before sleeping (Client(spin_s=); default 0)")
     p.add_argument("--show", type=int, default=2, help="timelines printed: the median request and the fastest ones")
     return p
 
@@ -190,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     with tempfile.TemporaryDirectory(prefix="kvd-timeline-") as tmp:
         trace = run(Path(tmp), geometry=args.geometry, blocks=args.blocks, requests=args.requests,
-                    mapped=args.path == "mapped", memory=args.memory, device=args.device, gen_device=args.gen_device)
+                    mapped=args.path == "mapped", memory=args.memory, device=args.device, gen_device=args.gen_device,
+                    client_spin_s=args.client_spin_us * 1e-6)
     print(report(trace, args.show))
     return 0
 

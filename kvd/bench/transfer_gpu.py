@@ -237,6 +237,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--busy-poll", choices=["auto", "on", "off"], default="auto",
                         help="both daemons' transfer.busy_poll (spin while requests are pending; default auto: "
                              "on with at least 8 usable cores)")
+    parser.add_argument("--client-spin-us", type=float, default=0.0,
+                        help="the latency table's executors poll their socket this long before sleeping "
+                             "(Client(spin_s=); default 0: they sleep at once)")
     return parser
 
 
@@ -256,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         ceiling = _contiguous_copy(nbytes, args.repeat, g)
         lat_sizes = [int(x) for x in args.latency_sizes.split(",") if x]
         lat = {name: latency.run(workdir, lat_sizes, args.latency_repeat, mapped=on, memory="auto", device=0,
-                                 gen_device=g, busy_poll=args.busy_poll)
+                                 gen_device=g, busy_poll=args.busy_poll, client_spin_s=args.client_spin_us * 1e-6)
                for name, on in (("mapped", True), ("nixl", False))} if lat_sizes else {}
         thread = args.nixl_progress_thread
         mapped = _e2e(workdir, max(sizes), sizes, args.repeat, True, args.chunk_mb, args.bounce_mb, thread,
