@@ -175,7 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--requests", type=int, default=200, help="traced requests (default 200)")
     p.add_argument("--path", choices=["mapped", "nixl"], default="mapped",
                    help="mapped (same-node mapping, the default) or nixl (the bounce path)")
-    p.add_argument("--memory", choices=["host", "auto"], default="host", help="pool memory (auto: GPU when --device >= 0)")
+    p.add_argument("--memory", choices=["host", "auto"], default="host", help="pool memory: host (the default) or auto (GPU when --device >= 0)")
     p.add_argument("--device", type=int, default=-1, help="ctx pool's GPU (default -1: host)")
     p.add_argument("--gen-device", type=int, default=None, help="gen pools' GPU (default: --device)")
     p.add_argument("--client-spin-us", type=float, default=0.0,
