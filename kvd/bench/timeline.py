@@ -180,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gen-device", type=int, default=None, help="gen pools' GPU (default: --device)")
     p.add_argument("--client-spin-us", type=float, default=0.0,
                    help="executors poll their socket this long before sleeping (Client(spin_s=); default 0)")
-    p.add_argument("--show", type=int, default=2, help="timelines printed: the median request and the fastest ones")
+    p.add_argument("--show", type=int, default=2, help="timelines printed: the median request and the fastest ones (default 2)")
     return p
 
 
