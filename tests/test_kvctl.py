@@ -485,6 +485,7 @@ def test_peers_and_ctx_duration_from_the_match(pair: tuple[DaemonProcess, Daemon
         # the ctx side waited for gen before t0; its duration counts from the match only
         assert done.duration_s <= elapsed, (done.duration_s, elapsed)
         assert gen.wait("late-gen", timeout_s=60).duration_s <= time.monotonic() - t0
+        ctx.ping()  # the ctx daemon's step that replied (and then logged transfer.done) has ended
         line = next(json.loads(raw) for raw in ctx_d.log().splitlines()
                     if '"transfer.done"' in raw and '"late-gen"' in raw)
         assert line["duration_s"] == pytest.approx(done.duration_s, abs=1e-5)

@@ -214,6 +214,11 @@ def test_peer_transfer_log_lines_on_both_daemons(short_tmp: Path) -> None:
         for t in threads:
             t.join(60)
         assert not errors, errors
+        # a request after the replies: each daemon's step that replied (and then logged its
+        # transfer.done line) has ended
+        for d in (ctx_d, gen_d):
+            with Client(d.socket_path, client="sync", timeout=60) as kvd:
+                kvd.ping()
         ctx_c = completions["ctx0"]
         assert ctx_c.bytes == ctx_layout.block_bytes(0) * blocks
         assert completions["gen0"].path == completions["gen1"].path == ctx_c.path

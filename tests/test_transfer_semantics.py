@@ -155,6 +155,7 @@ async def test_finished_requests_do_not_count_against_limits(daemon_factory: Fac
             await gen.expect(rid, "gen0", ONE, 0, await gen.alloc("gen0", 1), deadline_s=60)
             await ctx.publish(rid, "ctx0", ONE, 0, await ctx.alloc("ctx0", 1), peer="kvd", deadline_s=60)
             assert (await gen.wait(rid)).ok
+        await gen.ping()  # the step that replied (and then logged transfer.done) has ended
         assert len(_lines(d, "transfer.done")) == 16
 
 

@@ -148,6 +148,7 @@ async def run_transfer(
                            peer=gen_peer)
             task_status.started()
             out.gen[r] = await c.wait(request_id)
+            await c.ping()  # the daemon's step that replied has ended: its transfer.done line is out
             out.gen_data[r] = pool.raw.to("cpu", copy=True)
             gen_ok[i].set()
 
@@ -169,6 +170,7 @@ async def run_transfer(
                             deadline_s=deadline_s)
             task_status.started()
             out.ctx[r] = await c.wait(request_id)
+            await c.ping()  # the daemon's step that replied has ended: its transfer.done line is out
             for ev in gen_ok:
                 await ev.wait()  # keep the ctx pool mapped until the gen side checked its copy
 

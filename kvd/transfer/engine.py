@@ -95,6 +95,8 @@ class Engine:
         # work a registration started that runs once the executor has its reply (run_after_reply)
         self._after_reply: list[Callable[[], None]] | None = None
         self._deferred: list[Callable[[], None]] = []
+        # (session, request) pairs answered by a side's report, collected after its replies
+        self._collects: list[tuple[int, Transfer]] = []
         self._env = Env(node=self.node, cfg=self.cfg, nixl=self._nixl, links=lambda: self.links,
                         staging=self._staging, on_report=self._on_report, after_report=self._after_report,
                         on_finished=self._on_finished,
@@ -389,7 +391,8 @@ class Engine:
                 try:
                     answer(msgspec.structs.replace(first, id=msg.id))
                 finally:
-                    self._collect(session.id, t)
+                    # collected once every waiter of the side has its reply (_after_report)
+                    self._collects.append((session.id, t))
 
         def stop() -> None:
             watching[0] = False
@@ -493,8 +496,18 @@ class Engine:
 
     # -- reports (called by transfers) ------------------------------------------------------
     def _on_report(self, t: Transfer, side: Side, c: m.Completion) -> None:
-        """A side reported: its blocks and slots go back and its outcome is logged, before the
-        replies (a client that has its reply finds them so)."""
+        """A side reported, before its executors' replies: a failure is logged first (an
+        executor told of it, or a test reading the log then, finds why). Everything else
+        waits for :meth:`_after_report`: the replies are what the executors wait for."""
+        if not c.ok:
+            log.warning("transfer.failed", request_id=t.request_id, role=side.role, peer=t.peer,
+                        code=c.error_code, error=c.error_message, bytes=side.bytes_done, chunks=side.chunks_done)
+
+    def _after_report(self, t: Transfer, side: Side, c: m.Completion) -> None:
+        """The rest of a reported side, once its executors' replies are out, in the same step
+        (no client request is read before it ends, so none finds a block still held, a request
+        still counted or a figure missing): its blocks and slots go back, the ``transfer.done``
+        line, the answered waits collected, counters, metrics, history."""
         role = f.Role.CTX if side.role == "ctx" else f.Role.GEN
         for part in side.parts.values():
             busy = self._busy.get(part.pool.name, {})
@@ -512,12 +525,9 @@ class Engine:
                      gbps=round(c.bytes / c.duration_s / 1e9, 3) if c.duration_s > 0 else 0.0,
                      path=c.path, chunks=c.chunks, fallback=c.fallback or None,
                      round_trips=t.round_trips if role is f.Role.CTX else None, stages=side.stages or None)
-        else:
-            log.warning("transfer.failed", request_id=t.request_id, role=side.role, peer=t.peer,
-                        code=c.error_code, error=c.error_message, bytes=side.bytes_done, chunks=side.chunks_done)
-
-    def _after_report(self, t: Transfer, side: Side, c: m.Completion) -> None:
-        """The bookkeeping of a reported side, once its executors' replies are out (same step)."""
+        collects, self._collects = self._collects, []
+        for session_id, answered in collects:
+            self._collect(session_id, answered)
         d = self.daemon
         d.transfer_finished(side)  # kept for `kvctl transfers` after executors collect it
         if c.ok:

@@ -100,16 +100,18 @@ class Env:
     nixl: Callable[[], NixlAgent | None]
     links: Callable[[], PeerLinks | None]
     staging: Callable[[], Staging | None]
-    #: called once per side when the machine reports it, before its executors' replies
-    #: (leases returned, the outcome logged: what a client may look at once it has its reply)
+    #: called once per side when the machine reports it, before its executors' replies: only
+    #: what a reply must not precede (a failure's ``transfer.failed`` line: the executor that
+    #: was told finds why); the rest waits for :attr:`after_report`
     on_report: Callable[[Transfer, Side, m.Completion], None]
     #: called once when the transfer has nothing left running
     on_finished: Callable[[Transfer], None]
     #: called once when the transfer's path turns out to move bytes over NIXL (direct,
     #: fragment, bounce): the notification poller spins only while such a transfer runs
     on_nixl: Callable[[Transfer], None] = field(default=lambda t: None)
-    #: called after :attr:`on_report` and the replies, in the same step (counters, metrics,
-    #: history: no client request is read before the step ends, so none sees them missing)
+    #: called after :attr:`on_report` and the replies, in the same step (leases and slots
+    #: returned, the ``transfer.done`` line, counters, metrics, history: no client request is
+    #: read before the step ends, so none finds them held or missing)
     after_report: Callable[[Transfer, Side, m.Completion], None] = field(default=lambda t, s, c: None)
     #: takes work to run right after the executor's reply to the registration being handled
     #: now (True), or refuses it (False: no registration is being handled; run it now)
@@ -749,8 +751,11 @@ class Transfer:
         if side.started:
             side.mark("reported")
         side.finish(completion)
+        # the machine made the outcome final and no write can land any more (it reports only
+        # then): the replies may go first. What is left (leases returned, the transfer.done
+        # line, counters) happens in this same step, before any client request is read
         self.env.on_report(self, side, completion)
-        side.reported()  # waiting executors' replies, now that the outcome is logged and released
+        side.reported()  # waiting executors' replies
         self.env.after_report(self, side, completion)
         mark("reported")
 

@@ -115,6 +115,7 @@ async def test_gpu_local_path_runs_the_regroup_kernel(
         for gc in gcs:
             c = await gc.wait("r-local")
             assert c.ok and c.path == "local", c
+        await cc.ping()  # the step that replied (and then logged transfer.done) has ended
         p = plan(KVLayout(**{**GEO, "num_blocks": 32}), KVLayout(**{**GEO, "tp_size": 4, "num_blocks": 32}),  # type: ignore[arg-type]
                  {0: c_ids}, g_ids)
         expected = {r: before[r].clone() for r in range(4)}
