@@ -1,0 +1,115 @@
+"""Configuration mistakes a newcomer makes writing a kvd.toml from the docs, and what ``kvd serve``
+says about them. Each was found by starting a real daemon on such a file; before, they started a
+daemon that misbehaved later, or ended in a traceback:
+
+- a port above 65535 was taken modulo 65536 (``peer_port = 70000`` listened on 4464), a
+  ``[[peers]]`` port of 0 or 70000 was dialled for ever;
+- ``[transfer] chunk_mb = 0`` (or negative) was ``internal error: ZeroDivisionError`` with a
+  traceback; ``gpu_chunk_mb``, ``descs_per_write`` of 0 and a negative ``bounce_size_mb`` started;
+- ``socket_mode = 660`` (decimal in TOML) gave the socket mode 0o1224;
+- a top-level key appended at the end of the file (after a ``[[pools]]`` table, where TOML puts
+  it) was "unknown key in [[pools]] table 1", with no word of why;
+- a host pool larger than the machine's memory started (its pages are taken only when written),
+  for the executors to run the machine out of memory later.
+
+Every case runs ``kvd serve`` as a subprocess (one line on stderr, one log line, exit 78, nothing
+bound or allocated); the shapes of the lines are checked through the same ``load_config`` ->
+``config_error`` path as the daemon's, as in ``test_startup_errors.py``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvd.config import config_from_dict, load_config, table_keys
+from kvd.demo.launch import write_config
+from kvd.startup import EX_CONFIG, config_error
+from protocol.errors import BadRequest
+from tests.conftest import host_pool
+from tests.test_startup_errors import base_config, check_failure, secret, serve
+
+FIX = "; fix the configuration (systemd/kvd.toml shows and explains every key)"
+
+POOL = ('[[pools]]\nname = "a"\nmemory = "host"\nnum_layers = 2\nnum_kv_heads = 8\nhead_dim = 64\n'
+        'tokens_per_block = 16\nnum_blocks = 4\n')
+
+
+def test_a_peer_port_above_65535_is_refused_not_wrapped(short_tmp: Path) -> None:
+    cfg = base_config(short_tmp, peer_secret_file=secret(short_tmp), peer_port=70000)
+    run = serve(write_config(short_tmp, "kvd", cfg))
+    check_failure(run, exit_code=EX_CONFIG, setting="peer_port",
+                  contains=["kvd: error: peer_port: peer_port (or KVD_PEER_PORT) must be a TCP port from 1 to 65535 "
+                            "(0 = any free port), got 70000 (in "])
+    assert not (short_tmp / "kvd.sock").exists()
+    assert '"peer.listening"' not in run.stdout
+
+
+def test_a_peer_port_above_65535_from_the_environment(short_tmp: Path) -> None:
+    run = serve(write_config(short_tmp, "kvd", base_config(short_tmp)), env={"KVD_PEER_PORT": "65536"})
+    check_failure(run, exit_code=EX_CONFIG, setting="peer_port",
+                  contains=["peer_port (or KVD_PEER_PORT) must be a TCP port from 1 to 65535", "got 65536"])
+
+
+def test_a_chunk_size_of_zero_is_a_configuration_error_not_a_traceback(short_tmp: Path) -> None:
+    cfg = base_config(short_tmp, transfer={"bounce_size_mb": 4, "chunk_mb": 0})
+    path = write_config(short_tmp, "kvd", cfg)
+    run = serve(path)
+    check_failure(run, exit_code=EX_CONFIG, setting="transfer.chunk_mb",
+                  contains=[f"kvd: error: transfer.chunk_mb: chunk_mb must be at least 1, got 0 (in {path}){FIX}"])
+    assert '"pool.created"' not in run.stdout
+
+
+def test_a_decimal_socket_mode_says_to_write_it_in_octal(short_tmp: Path) -> None:
+    path = short_tmp / "kvd.toml"
+    path.write_text(f'socket_path = "{short_tmp / "kvd.sock"}"\nlog_format = "json"\nsocket_mode = 660\n{POOL}')
+    run = serve(str(path))
+    check_failure(run, exit_code=EX_CONFIG, setting="socket_mode",
+                  contains=["kvd: error: socket_mode: socket_mode must be a permission mode from 0o000 to 0o777, "
+                            "got 660, which TOML reads as a decimal number (0o1224): write the octal mode as "
+                            f"socket_mode = 0o660 (in {path}){FIX}"])
+    assert not (short_tmp / "kvd.sock").exists()
+
+
+@pytest.mark.parametrize(("toml", "line"), [
+    ("peer_port = -1\n", "peer_port: peer_port (or KVD_PEER_PORT) must be a TCP port from 1 to 65535 (0 = any free "
+                         "port), got -1 (in {path})"),
+    ("metrics_port = 70000\n", "metrics_port: metrics_port (or KVD_METRICS_PORT) must be a TCP port from 1 to 65535 "
+                               "(0 = off), got 70000 (in {path})"),
+    ("socket_mode = 0o7777\n", "socket_mode: socket_mode must be a permission mode from 0o000 to 0o777, got 4095 "
+                               "(0o7777) (in {path})"),
+    ('node = ""\n', "node: node must name this daemon"),
+    ('[[peers]]\nname = "g"\nport = 70000\n', "peers[0].port: port of peer 'g' must be the peer daemon's peer_port, "
+                                            "from 1 to 65535, got 70000 (in {path})"),
+    ('[[peers]]\nname = "g"\nport = 0\n', "peers[0].port: port of peer 'g' must be the peer daemon's peer_port"),
+    ('[[peers]]\nname = "g"\nhost = ""\nport = 7400\n',
+     "peers[0].host: host of peer 'g' is empty: give the address the peer daemon's peer_host listens on"),
+    ("[transfer]\nchunk_mb = -1\n", "transfer.chunk_mb: chunk_mb must be at least 1, got -1 (in {path})"),
+    ("[transfer]\ngpu_chunk_mb = 0\n", "transfer.gpu_chunk_mb: gpu_chunk_mb must be at least 1, got 0 (in {path})"),
+    ("[transfer]\ndescs_per_write = 0\n", "transfer.descs_per_write: descs_per_write must be at least 1, got 0"),
+    ("[transfer]\nbounce_size_mb = -1\n", "transfer.bounce_size_mb: bounce_size_mb must be 0 or more"),
+    (POOL.replace("num_blocks = 4", "num_blocks = -5"),
+     "pools[0].num_blocks: num_blocks must be positive (or 0: as many blocks as budget_mb holds), got -5 (in {path})"),
+    (POOL.replace("num_blocks = 4", "budget_mb = -3.0"),
+     "pools[0].budget_mb: budget_mb must be a positive number of MiB, got -3.0 (in {path})"),
+])
+def test_config_mistakes_start_with_the_setting(short_tmp: Path, toml: str, line: str) -> None:
+    path = short_tmp / "kvd.toml"
+    path.write_text(toml)
+    with pytest.raises(BadRequest) as info:
+        load_config(path, env={})
+    error = config_error(str(path), info.value, table_keys)
+    assert error.message.startswith(line.format(path=path)), error.message
+    assert error.message.endswith(FIX.removeprefix("; "))
+    assert error.exit_code == EX_CONFIG and error.message.startswith(f"{error.setting}: ")
+
+
+def test_values_at_the_edges_of_their_ranges_are_accepted() -> None:
+    cfg = config_from_dict({"peer_port": 65535, "metrics_port": 1, "socket_mode": 0o777,
+                            "peers": [{"name": "g", "port": 65535}],
+                            "transfer": {"chunk_mb": 1, "gpu_chunk_mb": 1, "descs_per_write": 1, "bounce_size_mb": 0},
+                            "pools": [host_pool(num_blocks=0, budget_mb=1.0)]}, env={})
+    assert (cfg.peer_port, cfg.metrics_port, cfg.socket_mode, cfg.peers[0].port) == (65535, 1, 0o777, 65535)
+    assert cfg.transfer.bounce_size_mb == 0
+    assert config_from_dict({"peer_port": 0, "metrics_port": 0, "socket_mode": 0}, env={}).socket_mode == 0
