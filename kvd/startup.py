@@ -84,9 +84,12 @@ def config_error(path: str | None, exc: KvdError, keys_of: Callable[[str], list[
     if unknown := _UNKNOWN_FIELD.match(what):
         key = unknown.group("key")
         setting = f"{table}.{key}" if table else key
+        home = _home_table(key, table, keys_of) if keys_of else None
         close = difflib.get_close_matches(key, keys_of(table) if keys_of else [], n=1)
-        hint = f" (did you mean {close[0]}?)" if close else ""
+        hint = f" (did you mean {close[0]}?)" if close and home is None else ""
         problem = f"unknown key in {_table_name(table)} of {where}{hint}"
+        if home is not None:
+            problem += f": {key} is {_key_of(home)}; {_move_hint(key, table, home)}"
     elif missing := _MISSING_FIELD.match(what):
         setting = f"{table}.{missing.group('key')}" if table else missing.group("key")
         problem = f"required key missing from {_table_name(table)} of {where}"
@@ -102,6 +105,38 @@ def config_error(path: str | None, exc: KvdError, keys_of: Callable[[str], list[
             todo = "give --config (or KVD_CONFIG) a readable TOML file; systemd/kvd.toml is an example of one"
         return StartupError(f"{message}; {todo}", setting="", exit_code=EX_CONFIG)
     return StartupError(f"{setting}: {problem}; {todo}", setting=setting, exit_code=EX_CONFIG)
+
+
+#: The tables of the configuration, by the name ``keys_of`` takes (one entry stands for an array).
+_TABLES = ("", "transfer", "limits", "access", "pools[0]", "peers[0]")
+
+
+def _home_table(key: str, table: str, keys_of: Callable[[str], list[str]]) -> str | None:
+    """The other table ``key`` belongs to, if it is a key of exactly one (``None`` otherwise):
+    a key right but in the wrong place. The usual cause is TOML's scoping: every key after a
+    ``[[pools]]`` or ``[transfer]`` header belongs to that table, so ``metrics_port = 9464``
+    appended at the end of a file lands in its last ``[[pools]]`` table."""
+    here = re.sub(r"\[\d+\]$", "[0]", table)
+    homes = [other for other in _TABLES if other != here and key in keys_of(other)]
+    return homes[0] if len(homes) == 1 else None
+
+
+def _key_of(home: str) -> str:
+    """``""`` -> ``a top-level key``, ``transfer`` -> ``a key of [transfer]``, ``pools[0]`` -> ``... [[pools]]``."""
+    if not home:
+        return "a top-level key"
+    return f"a key of [[{home[:-3]}]]" if home.endswith("[0]") else f"a key of [{home}]"
+
+
+def _move_hint(key: str, table: str, home: str) -> str:
+    """Where to move a key that is in the wrong table (see :func:`_home_table`)."""
+    if not table:
+        return f"put it under a {_key_of(home).removeprefix('a key of ')} header"
+    header = _key_of(re.sub(r"\[\d+\]$", "[0]", table)).removeprefix("a key of ")
+    scope = f"TOML puts every key after a {header} header into that table"
+    if not home:
+        return f"{scope}: move {key} above the first [table] or [[table]] header of the file"
+    return f"{scope}: move {key} under {_key_of(home).removeprefix('a key of ')}"
 
 
 def _table_name(table: str) -> str:

@@ -72,6 +72,19 @@ def test_a_decimal_socket_mode_says_to_write_it_in_octal(short_tmp: Path) -> Non
     assert not (short_tmp / "kvd.sock").exists()
 
 
+def test_a_top_level_key_after_a_pools_table_says_where_it_belongs(short_tmp: Path) -> None:
+    """``metrics_port = 9464`` appended to a file that ends with a [[pools]] table: TOML puts it
+    in that table. The line says it is a top-level key and where to move it."""
+    path = short_tmp / "kvd.toml"
+    path.write_text(f'socket_path = "{short_tmp / "kvd.sock"}"\nlog_format = "json"\n{POOL}metrics_port = 9464\n')
+    run = serve(str(path))
+    check_failure(run, exit_code=EX_CONFIG, setting="pools[0].metrics_port",
+                  contains=[f"kvd: error: pools[0].metrics_port: unknown key in [[pools]] table 1 of {path}: "
+                            "metrics_port is a top-level key; TOML puts every key after a [[pools]] header into "
+                            "that table: move metrics_port above the first [table] or [[table]] header of the "
+                            f"file{FIX}"])
+
+
 @pytest.mark.parametrize(("toml", "line"), [
     ("peer_port = -1\n", "peer_port: peer_port (or KVD_PEER_PORT) must be a TCP port from 1 to 65535 (0 = any free "
                          "port), got -1 (in {path})"),
@@ -93,6 +106,21 @@ def test_a_decimal_socket_mode_says_to_write_it_in_octal(short_tmp: Path) -> Non
      "pools[0].num_blocks: num_blocks must be positive (or 0: as many blocks as budget_mb holds), got -5 (in {path})"),
     (POOL.replace("num_blocks = 4", "budget_mb = -3.0"),
      "pools[0].budget_mb: budget_mb must be a positive number of MiB, got -3.0 (in {path})"),
+    # a key right but in the wrong table: where it belongs, not a guess at a typo
+    (POOL + "deadline_s = 5.0\n", "pools[0].deadline_s: unknown key in [[pools]] table 1 of {path}: deadline_s is a "
+                                  "key of [transfer]; TOML puts every key after a [[pools]] header into that table: "
+                                  "move deadline_s under [transfer]"),
+    ("[transfer]\nmax_sessions = 5\n", "transfer.max_sessions: unknown key in [transfer] of {path}: max_sessions is a "
+                                       "key of [limits]; TOML puts every key after a [transfer] header into that "
+                                       "table: move max_sessions under [limits]"),
+    ("chunk_mb = 4\n", "chunk_mb: unknown key in the top level of {path}: chunk_mb is a key of [transfer]; put it "
+                       "under a [transfer] header"),
+    ('[[peers]]\nname = "g"\nport = 1\nnum_blocks = 4\n',
+     "peers[0].num_blocks: unknown key in [[peers]] table 1 of {path}: num_blocks is a key of [[pools]]; "
+     "TOML puts every key after a [[peers]] header into that table: move num_blocks under [[pools]]"),
+    # a typo still gets its guess, and a key of several tables (name) gets none of this
+    (POOL + "num_block = 4\n", "pools[0].num_block: unknown key in [[pools]] table 1 of {path} (did you mean "
+                               "num_blocks?); fix"),
 ])
 def test_config_mistakes_start_with_the_setting(short_tmp: Path, toml: str, line: str) -> None:
     path = short_tmp / "kvd.toml"
