@@ -21,10 +21,14 @@ import difflib
 import errno
 import re
 from collections.abc import Callable
+from pathlib import Path
 
 from protocol.errors import KvdError
 
-__all__ = ["EX_CONFIG", "StartupError", "bind_failed", "config_error", "explain", "one_line"]
+__all__ = [
+    "EX_CONFIG", "StartupError", "bind_failed", "check_host_pools", "config_error", "explain", "host_memory",
+    "one_line",
+]
 
 #: Exit status for "the configuration must change" (sysexits.h ``EX_CONFIG``).
 EX_CONFIG = 78
@@ -146,6 +150,55 @@ def _table_name(table: str) -> str:
     if array := re.fullmatch(r"(\w+)\[(\d+)\]", table):
         return f"[[{array.group(1)}]] table {int(array.group(2)) + 1}"
     return f"[{table}]"
+
+
+def host_memory(meminfo: str = "/proc/meminfo", cgroup: str = "/sys/fs/cgroup/memory.max") -> tuple[int, str]:
+    """The most memory this process may ever have, in bytes, and where that figure comes from:
+    the machine's ``MemTotal``, or the cgroup's ``memory.max`` when it is lower (a container or a
+    unit with ``MemoryMax=``). ``(0, "")`` when neither can be read (then nothing is checked)."""
+    best, source = 0, ""
+    try:
+        for line in Path(meminfo).read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                best, source = int(line.split()[1]) * 1024, f"MemTotal in {meminfo}"
+                break
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        limit = Path(cgroup).read_text().strip()
+    except OSError:
+        limit = ""
+    if limit.isdigit() and (not best or int(limit) < best):
+        best, source = int(limit), f"the cgroup's limit, {cgroup}"
+    return best, source
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.1f} GiB"
+
+
+def check_host_pools(pools: list[tuple[str, str, int]], memory: tuple[int, str]) -> None:
+    """Refuse host pools that together exceed this machine's memory (``memory``: bytes and where
+    the figure comes from, :func:`host_memory`); ``pools``: ``(setting, name, bytes)`` per host pool.
+
+    A host pool is a memfd whose pages are taken only when written, so a pool of any size
+    starts; it is the executors filling it that later run the machine out of memory, with the
+    OOM killer picking a process. Exit :data:`EX_CONFIG`: the pool sizes must change."""
+    limit, source = memory
+    total = sum(nbytes for _, _, nbytes in pools)
+    if not limit or total <= limit:
+        return
+    biggest = max(pools, key=lambda pool: pool[2])
+    alone = biggest[2] > limit
+    setting = biggest[0] if alone or len(pools) == 1 else "pools"
+    sizes = ", ".join(f"{name} {_gib(nbytes)}" for _, name, nbytes in pools)
+    what = f"pool {biggest[1]!r} needs {_gib(biggest[2])}" if alone else f"the host pools need {_gib(total)} ({sizes})"
+    raise StartupError(
+        f"{setting}: {what} of host memory, more than this machine has ({_gib(limit)}, {source}); "
+        "lower num_blocks or budget_mb (a host pool's pages are taken as executors write them: an "
+        "oversized pool starts, then runs the machine out of memory)",
+        setting=setting, exit_code=EX_CONFIG,
+    )
 
 
 def _leaves(exc: BaseException) -> list[BaseException]:

@@ -25,7 +25,7 @@ import pytest
 
 from kvd.config import config_from_dict, load_config, table_keys
 from kvd.demo.launch import write_config
-from kvd.startup import EX_CONFIG, config_error
+from kvd.startup import EX_CONFIG, StartupError, check_host_pools, config_error, host_memory
 from protocol.errors import BadRequest
 from tests.conftest import host_pool
 from tests.test_startup_errors import base_config, check_failure, secret, serve
@@ -85,6 +85,22 @@ def test_a_top_level_key_after_a_pools_table_says_where_it_belongs(short_tmp: Pa
                             f"file{FIX}"])
 
 
+def test_a_host_pool_larger_than_the_machine_is_refused(short_tmp: Path) -> None:
+    """A host pool of twice the machine's memory (``budget_mb``): refused before anything is
+    allocated, naming the pool, its size, the machine's and what to lower."""
+    limit, source = host_memory()
+    if not limit:
+        pytest.skip("this machine says nothing of its memory (no /proc/meminfo, no cgroup limit)")
+    pool = host_pool("big", num_blocks=0, budget_mb=2 * limit / 2**20)
+    run = serve(write_config(short_tmp, "kvd", base_config(short_tmp, pools=[pool])))
+    check_failure(run, exit_code=EX_CONFIG, setting="pools[0].budget_mb",
+                  contains=["kvd: error: pools[0].budget_mb: pool 'big' needs ",
+                            f" of host memory, more than this machine has ({limit / 2**30:.1f} GiB, {source}); "
+                            "lower num_blocks or budget_mb"])
+    assert '"pool.created"' not in run.stdout
+    assert not (short_tmp / "kvd.sock").exists()
+
+
 @pytest.mark.parametrize(("toml", "line"), [
     ("peer_port = -1\n", "peer_port: peer_port (or KVD_PEER_PORT) must be a TCP port from 1 to 65535 (0 = any free "
                          "port), got -1 (in {path})"),
@@ -141,3 +157,28 @@ def test_values_at_the_edges_of_their_ranges_are_accepted() -> None:
     assert (cfg.peer_port, cfg.metrics_port, cfg.socket_mode, cfg.peers[0].port) == (65535, 1, 0o777, 65535)
     assert cfg.transfer.bounce_size_mb == 0
     assert config_from_dict({"peer_port": 0, "metrics_port": 0, "socket_mode": 0}, env={}).socket_mode == 0
+
+
+def test_host_pools_that_fit_alone_but_not_together(short_tmp: Path) -> None:
+    """Two pools of 3 GiB under a 4 GiB limit: the setting is ``pools`` and the line lists both."""
+    gib = 2**30
+    with pytest.raises(StartupError) as info:
+        check_host_pools([("pools[0].num_blocks", "a", 3 * gib), ("pools[1].budget_mb", "b", 3 * gib)],
+                         (4 * gib, "the cgroup's limit, memory.max"))
+    assert info.value.exit_code == EX_CONFIG and info.value.setting == "pools"
+    assert info.value.message.startswith("pools: the host pools need 6.0 GiB (a 3.0 GiB, b 3.0 GiB) of host memory, "
+                                         "more than this machine has (4.0 GiB, the cgroup's limit, memory.max)")
+    check_host_pools([("pools[0].num_blocks", "a", 2 * gib), ("pools[1].num_blocks", "b", 2 * gib)], (4 * gib, "x"))
+    check_host_pools([("pools[0].num_blocks", "a", 100 * gib)], (0, ""))  # unknown memory: nothing checked
+    check_host_pools([], (4 * gib, "x"))
+
+
+def test_host_memory_takes_the_lower_of_the_machine_and_its_cgroup(short_tmp: Path) -> None:
+    meminfo = short_tmp / "meminfo"
+    meminfo.write_text("MemTotal:       8388608 kB\nMemFree:        1024 kB\n")
+    cgroup = short_tmp / "memory.max"
+    cgroup.write_text("max\n")
+    assert host_memory(str(meminfo), str(cgroup)) == (8 * 2**30, f"MemTotal in {meminfo}")
+    cgroup.write_text(f"{2**30}\n")
+    assert host_memory(str(meminfo), str(cgroup)) == (2**30, f"the cgroup's limit, {cgroup}")
+    assert host_memory(str(short_tmp / "absent"), str(short_tmp / "absent")) == (0, "")
