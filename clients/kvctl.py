@@ -247,15 +247,41 @@ def run(args: argparse.Namespace) -> int:
 
 def _ping_until_up(args: argparse.Namespace) -> int:
     """``ping --wait``: a daemon that is still starting (no socket yet, or not accepting) is
-    retried every 0.1 s until it answers or the time is up (then the last error, exit 3)."""
+    retried every 0.1 s until it answers or the time is up (then the last error, exit 3).
+
+    With ``--pid``, the wait ends as soon as that process has exited: a daemon that cannot start
+    exits within a second with its reason on stderr, and without the pid the script sat out the
+    whole ``--wait`` before it learnt anything."""
     deadline = time.monotonic() + args.wait
     while True:
         try:
             return run(args)
         except ConnectionClosed:
+            if args.pid is not None and not _running(args.pid):
+                socket = args.socket or os.environ.get("KVD_SOCKET") or "/run/kvd/kvd.sock"
+                print(f"kvctl: kvd (pid {args.pid}) exited before it answered on {socket}: its stderr (or "
+                      "log) ends with the one `kvd: error:` line that says why", file=sys.stderr)
+                return EXIT_UNREACHABLE
             if time.monotonic() >= deadline:
                 raise
         time.sleep(0.1)
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` exists and has not exited (a zombie, exited but not yet reaped by
+    the shell that started it in the background, counts as exited)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rpartition(b")")[2].split()[0]
+    except (OSError, IndexError):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except OSError:  # another user's process (EPERM): it exists
+            return True
+        return True  # no /proc (not Linux): os.kill found it
+    return state not in (b"Z", b"X")
 
 
 def _out(args: argparse.Namespace, obj: Any, human: Any) -> None:
@@ -349,6 +375,9 @@ def build_parser() -> argparse.ArgumentParser:
     p_ping = sub.add_parser("ping", parents=[common], help=helps["ping"], description=helps["ping"])
     p_ping.add_argument("--wait", type=_positive, metavar="SECONDS",
                         help="retry until the daemon answers or SECONDS pass (scripts that start kvd)")
+    p_ping.add_argument("--pid", type=_count, metavar="PID",
+                        help="with --wait: the daemon's process id ($! after kvd serve ... &); stop waiting "
+                             "as soon as it has exited (a daemon that cannot start exits at once)")
     cancel_help = "cancel a request of any executor (operators only: root, the daemon's user, [access] operator_gids)"
     p_cancel = sub.add_parser("cancel", parents=[common], help=cancel_help,
                               description=cancel_help + "; its executors' waits raise TransferCancelled and a "
@@ -372,6 +401,10 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:
         return EXIT_USAGE if exc.code else EXIT_OK
+    if args.command == "ping" and args.pid is not None and not args.wait:
+        parser.print_usage(sys.stderr)
+        print("kvctl ping: error: --pid needs --wait SECONDS (it ends the wait early)", file=sys.stderr)
+        return EXIT_USAGE
     try:
         code = _ping_until_up(args) if args.command == "ping" and args.wait else run(args)
         sys.stdout.flush()  # here, not at exit: a reader that went away is handled below

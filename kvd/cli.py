@@ -5,9 +5,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import TYPE_CHECKING
 
 from kvd.startup import StartupError, one_line
 from protocol.errors import KvdError
+
+if TYPE_CHECKING:
+    from kvd.config import Config
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -18,7 +22,7 @@ def _serve(args: argparse.Namespace) -> int:
     from kvd.daemon import check_config
     from kvd.ops.logs import configure_logging
     from kvd.server import serve
-    from kvd.startup import config_error, explain
+    from kvd.startup import check_host_pools, config_error, explain, host_memory
 
     try:
         config = load_config(args.config)
@@ -27,6 +31,10 @@ def _serve(args: argparse.Namespace) -> int:
         _configure_logging_from_env()
         return _report(config_error(args.config, exc, table_keys), stage="startup")
     configure_logging(config.log_format, config.log_level, cache=True)
+    try:
+        check_host_pools(_host_pools(config), host_memory())
+    except StartupError as exc:
+        return _report(exc, stage="startup")
     ready = False
 
     async def run() -> None:
@@ -42,6 +50,17 @@ def _serve(args: argparse.Namespace) -> int:
             return 130
         return _report(explain(exc), stage="running" if ready else "startup", cause=exc)
     return 0
+
+
+def _host_pools(config: Config) -> list[tuple[str, str, int]]:
+    """``(setting, name, bytes)`` of each host-memory pool (``memory = "host"`` or ``device = -1``),
+    the setting being the size key the pool gives (``pools[i].num_blocks`` or ``.budget_mb``)."""
+    pools = []
+    for i, pool in enumerate(config.pools):
+        if pool.memory == "host" or pool.device < 0:
+            key = "num_blocks" if pool.num_blocks > 0 else "budget_mb"
+            pools.append((f"pools[{i}].{key}", pool.name, pool.layout().pool_bytes(pool.rank)))
+    return pools
 
 
 def _run_profiled(fn: object, *args: object) -> None:

@@ -15,6 +15,7 @@ Environment overrides (documented in the README; an explicit env setting wins ov
 from __future__ import annotations
 
 import difflib
+import math
 import os
 import re
 import tomllib
@@ -74,8 +75,14 @@ class PoolConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
         )
         if not 0 <= self.rank < base.world_size:
             raise BadRequest(f"pool {self.name!r}: rank {self.rank} outside world size {base.world_size}")
+        if self.num_blocks < 0:
+            raise BadRequest(f"pool {self.name!r}: num_blocks must be positive (or 0: as many blocks as "
+                             f"budget_mb holds), got {self.num_blocks}")
         blocks = self.num_blocks
         if blocks <= 0:
+            if self.budget_mb < 0 or not math.isfinite(self.budget_mb):
+                raise BadRequest(f"pool {self.name!r}: budget_mb must be a positive number of MiB, "
+                                 f"got {self.budget_mb}")
             if self.budget_mb <= 0:
                 raise BadRequest(f"pool {self.name!r}: give num_blocks or budget_mb")
             blocks = int(self.budget_mb * 2**20) // base.block_bytes(self.rank)
@@ -236,7 +243,51 @@ def config_from_dict(data: Mapping[str, object], env: Mapping[str, str] | None =
         except BadRequest as exc:
             raise BadRequest(f"invalid configuration: {_pool_problem(i, exc.message)}") from None
     _check_peers_and_ports(cfg)
+    _check_ranges(cfg)
     return cfg
+
+
+#: ``[transfer]`` sizes and counts that must be at least 1: 0 or less crashed the daemon at
+#: startup (``ZeroDivisionError`` from chunk_mb = 0) or later, on the first transfer that used them.
+_AT_LEAST_ONE = ("chunk_mb", "gpu_chunk_mb", "descs_per_write")
+
+
+def _check_ranges(cfg: Config) -> None:
+    """Values msgspec accepts as integers but nothing can use. A port above 65535 used to be
+    taken modulo 65536 (peer_port = 70000 listened on 4464), a negative chunk_mb was an internal
+    error with a traceback, and ``socket_mode = 660`` (decimal in TOML) gave the socket mode
+    0o1224. Each is refused, located (``- at `$.key```) so that the line begins with the key."""
+    for key, env in (("peer_port", "KVD_PEER_PORT"), ("metrics_port", "KVD_METRICS_PORT")):
+        port = getattr(cfg, key)
+        if not 0 <= port <= 65535:
+            off = "any free port" if key == "peer_port" else "off"
+            raise BadRequest(f"invalid configuration: {key} (or {env}) must be a TCP port from 1 to 65535 "
+                             f"(0 = {off}), got {port} - at `$.{key}`")
+    if not 0 <= cfg.socket_mode <= 0o777:
+        got = f"got {cfg.socket_mode} ({cfg.socket_mode:#o})"
+        if set(str(cfg.socket_mode)) <= set("01234567") and int(str(cfg.socket_mode), 8) <= 0o777:
+            got = (f"got {cfg.socket_mode}, which TOML reads as a decimal number ({cfg.socket_mode:#o}): "
+                   f"write the octal mode as socket_mode = 0o{cfg.socket_mode}")
+        raise BadRequest(f"invalid configuration: socket_mode must be a permission mode from 0o000 to 0o777, "
+                         f"{got} - at `$.socket_mode`")
+    if not cfg.node:
+        raise BadRequest("invalid configuration: node must name this daemon (peers and executors' publish(..., "
+                         "peer=NODE) use it), got an empty string - at `$.node`")
+    for i, peer in enumerate(cfg.peers):
+        if not 1 <= peer.port <= 65535:
+            raise BadRequest(f"invalid configuration: port of peer {peer.name!r} must be the peer daemon's "
+                             f"peer_port, from 1 to 65535, got {peer.port} - at `$.peers[{i}].port`")
+        if not peer.host:
+            raise BadRequest(f"invalid configuration: host of peer {peer.name!r} is empty: give the address "
+                             f"the peer daemon's peer_host listens on - at `$.peers[{i}].host`")
+    t = cfg.transfer
+    for key in _AT_LEAST_ONE:
+        if getattr(t, key) < 1:
+            raise BadRequest(f"invalid configuration: {key} must be at least 1, got {getattr(t, key)} "
+                             f"- at `$.transfer.{key}`")
+    if t.bounce_size_mb < 0:
+        raise BadRequest(f"invalid configuration: bounce_size_mb must be 0 or more (below chunk_mb: one slot), "
+                         f"got {t.bounce_size_mb} - at `$.transfer.bounce_size_mb`")
 
 
 _ANY_ADDRESS = frozenset({"", "0.0.0.0", "::"})
