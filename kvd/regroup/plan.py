@@ -34,7 +34,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -146,6 +146,13 @@ class Plan:
         self.ctx_offsets: dict[int, Int64Array] = offsets[0] if offsets is not None else {}
         self.gen_offsets: dict[int, Int64Array] = offsets[1] if offsets is not None else {}
         self._copiers: dict[tuple[int, int], FragmentCopier] = {}
+        #: What other modules derive from this plan and keep with it (kvd.regroup.table: the
+        #: pairs' grids), dropped with the plan.
+        self.memo: dict[object, object] = {}
+        #: What other modules derive from the shape alone (kvd.regroup.table: each pair's grid
+        #: without its block tables), shared by every plan of the shape; a plan built by hand
+        #: has its own.
+        self.shape_memo: dict[object, object] = shape.memo if shape is not None else {}
         # asked several times per request on the daemon's hot path: computed once (per shape)
         self._total: int | None = shape.total if shape is not None else None
         self._direct: bool | None = shape.direct if shape is not None else None
@@ -663,6 +670,8 @@ class _Shape:
     key: tuple[object, ...]
     src_walk: _Walk
     dst_walk: _Walk
+    #: :attr:`Plan.shape_memo`
+    memo: dict[object, object] = field(default_factory=dict)
 
 
 @functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
