@@ -13,6 +13,7 @@ import itertools
 import os
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from types import TracebackType
 from typing import TYPE_CHECKING, TypeVar
@@ -31,7 +32,7 @@ from clients._wire import (
 )
 from protocol import messages as m
 from protocol.codec import decode_reply, encode
-from protocol.errors import ConnectionClosed, error_from_code
+from protocol.errors import BadRequest, ConnectionClosed, error_from_code
 from protocol.framing import DEFAULT_MAX_FRAME_SIZE, FrameBuffer
 from protocol.layout import KVLayout
 
@@ -39,6 +40,9 @@ if TYPE_CHECKING:  # clients.attach imports torch: only attach() needs it (kvctl
     from clients.attach import MappedPool
 
 T = TypeVar("T", bound=m.Message)
+
+#: The longest ``spin_s`` a Client takes: polling longer than this only burns a core.
+MAX_SPIN_S = 1.0
 
 
 class Client:
@@ -49,12 +53,21 @@ class Client:
     what to check. ``client`` names the session in ``kvctl sessions`` and the daemon's log.
     ``timeout``: seconds the daemon may take to answer a call (``None``: no limit); a
     :meth:`wait` may take its own ``timeout_s`` on top of it, so a long wait needs no large
-    ``timeout``.
+    ``timeout``. ``spin_s``: seconds to poll the socket for a reply before sleeping in the kernel
+    (default 0: sleep at once). A thread with a core to itself (a serving engine's executor
+    waiting for its KV) then takes a reply that comes within ``spin_s`` without a scheduler
+    wake-up, which on some hosts costs a few hundred microseconds (see docs/performance.md);
+    a longer wait sleeps as before, having burnt ``spin_s`` of CPU.
     """
 
-    def __init__(self, path: str | None = None, *, client: str = "", timeout: float | None = None) -> None:
+    def __init__(self, path: str | None = None, *, client: str = "", timeout: float | None = None,
+                 spin_s: float = 0.0) -> None:
+        if isinstance(spin_s, bool) or not isinstance(spin_s, int | float) or not 0 <= spin_s <= MAX_SPIN_S:
+            raise BadRequest(f"spin_s must be a number of seconds >= 0 and at most {MAX_SPIN_S:g}, got {spin_s!r}; "
+                             "0 sleeps at once")
         self.path = path or default_socket_path()
         self._timeout = timeout
+        self._spin_s = float(spin_s)
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.settimeout(timeout)
         try:
@@ -94,7 +107,7 @@ class Client:
     def _receive(self) -> tuple[m.Message, list[int]]:
         while not self._ready:
             try:
-                data, anc, _flags, _addr = self._sock.recvmsg(65536, ANCILLARY_SIZE)
+                data, anc = self._recvmsg()
             except TimeoutError:
                 # the connection is fine (the late reply is dropped when it comes): say which
                 # limit ran out, not "the connection broke"
@@ -111,6 +124,27 @@ class Client:
             for i, payload in enumerate(self._frames.feed(data)):
                 self._ready.append((decode_reply(payload), fds if i == 0 else []))
         return self._ready.pop(0)
+
+    def _recvmsg(self) -> tuple[bytes, list[tuple[int, int, bytes]]]:
+        """Bytes and ancillary data from the socket: polled for up to ``spin_s`` first (the
+        socket non-blocking meanwhile: a socket with a timeout would wait in ``poll`` before
+        each read), then a blocking read under the socket's timeout."""
+        if self._spin_s > 0:
+            end = time.perf_counter() + self._spin_s
+            timeout = self._sock.gettimeout()
+            self._sock.settimeout(0.0)
+            try:
+                while True:
+                    try:
+                        data, anc, _flags, _addr = self._sock.recvmsg(65536, ANCILLARY_SIZE)
+                        return data, anc
+                    except BlockingIOError:
+                        if time.perf_counter() >= end:
+                            break
+            finally:
+                self._sock.settimeout(timeout)
+        data, anc, _flags, _addr = self._sock.recvmsg(65536, ANCILLARY_SIZE)
+        return data, anc
 
     def _call_with_fds(self, msg: m.Message, expected: type[T]) -> tuple[T, list[int]]:
         with self._lock:

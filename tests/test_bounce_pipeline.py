@@ -40,14 +40,16 @@ def test_chunk_size_of_a_big_request_fills_slots_evenly() -> None:
     assert c == 48 * MiB  # 144 MiB through 64 MiB slots: 3 chunks a pair, no short tail
     chunks = bounce.chunks(p, c)
     assert len(chunks) == 12 and {ch.nbytes for ch in chunks} == {48 * MiB}
-    # two pairs of 96 MiB: the pipeline wants 4 chunks a pair, smaller than the slots allow
-    assert bounce.chunk_size(plan_of(L(num_layers=64), L(num_layers=64, tp_size=2), 96), 64 * MiB) == 24 * MiB
+    # two pairs of 96 MiB: the pipeline wants 2 chunks a pair, as the slots allow
+    assert bounce.chunk_size(plan_of(L(num_layers=64), L(num_layers=64, tp_size=2), 96), 64 * MiB) == 48 * MiB
+    # one pair of 96 MiB: 4 chunks, smaller than the slots allow
+    assert bounce.chunk_size(plan_of(L(num_layers=64), L(num_layers=64), 48), 64 * MiB) == 24 * MiB
 
 
 def test_chunk_size_keeps_a_pipeline_and_a_floor() -> None:
     p = plan_of(L(num_layers=64), L(num_layers=64, tp_size=2), 16)  # 16 MiB per pair
     c = bounce.chunk_size(p, 64 * MiB)
-    assert c == 4 * MiB and len(bounce.chunks(p, c)) == bounce.PIPELINE_CHUNKS  # 4 chunks a pair, 8 in all
+    assert c == 8 * MiB and len(bounce.chunks(p, c)) == bounce.PIPELINE_CHUNKS  # 2 chunks a pair, 4 in all
     small = plan_of(CTX, GEN, 2)  # 128 KiB per pair: one chunk per pair, never below the floor
     assert bounce.chunk_size(small, 64 * MiB) == bounce.MIN_CHUNK
     assert [ch.nbytes for ch in bounce.chunks(small, bounce.MIN_CHUNK)] == [128 << 10] * 2

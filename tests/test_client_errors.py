@@ -13,7 +13,7 @@ import pytest
 
 from clients import Client, open_client
 from kvd.demo.launch import DaemonProcess
-from protocol.errors import ConnectionClosed, WaitTimeout
+from protocol.errors import BadRequest, ConnectionClosed, WaitTimeout
 
 GIVE = "Give its socket with Client(path) / open_client(path) or KVD_SOCKET (default /run/kvd/kvd.sock)"
 
@@ -82,3 +82,29 @@ def test_a_wait_longer_than_the_client_timeout_is_a_wait_timeout(
                                 timeout_s=4)
         kvd.cancel("never-published")
         kvd.cancel("also-never")
+
+
+@pytest.mark.parametrize("spin_s", [-0.001, float("nan"), float("inf"), 2.0, True, "0.001"])
+def test_a_bad_spin_is_refused_before_connecting(short_tmp: Path, spin_s: object) -> None:
+    with pytest.raises(BadRequest, match=r"spin_s must be a number of seconds >= 0 and at most 1, got .*; 0 sleeps at once"):
+        Client(str(short_tmp / "nothing-here.sock"), spin_s=spin_s)  # type: ignore[arg-type]
+
+
+def test_a_spinning_client_takes_quick_replies_and_sleeps_through_long_waits(
+        daemon_factory: Callable[..., DaemonProcess]) -> None:
+    """``spin_s`` polls for a reply before sleeping: replies that come within it and waits
+    that outlast it both arrive, and the socket keeps the Client's own timeout afterwards."""
+    d = daemon_factory(name="spins")
+    with Client(d.socket_path, client="spinner", timeout=30, spin_s=0.05) as kvd:
+        assert kvd.ping(b"quick") == b"quick"
+        layout = kvd.pools()[0].layout
+        assert layout is not None
+        kvd.expect("never-published", "host0", layout, 0, kvd.alloc("host0", 2), deadline_s=600)
+        with pytest.raises(WaitTimeout, match=r"after wait timeout 0\.3s"):  # outlasts the spin: a blocking read
+            kvd.wait("never-published", timeout_s=0.3)
+        assert kvd._sock.gettimeout() == 30
+        assert kvd.ping(b"after") == b"after"
+        kvd.cancel("never-published")
+    with Client(d.socket_path, client="spinner-untimed", spin_s=0.05) as kvd:  # a blocking socket stays blocking
+        assert kvd.ping(b"x") == b"x"
+        assert kvd._sock.gettimeout() is None

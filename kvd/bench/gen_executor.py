@@ -21,10 +21,11 @@ from clients.blocking import Client
 from protocol.layout import KVLayout
 
 
-def serve(socket_path: str, rank: int, blocks: int, geometry: dict[str, Any], tp: int, conn: Connection) -> None:
-    """The worker's body (the target of a spawned process)."""
+def serve(socket_path: str, rank: int, blocks: int, geometry: dict[str, Any], tp: int, conn: Connection,
+          spin_s: float = 0.0) -> None:
+    """The worker's body (the target of a spawned process); ``spin_s``: its Client's."""
     try:
-        client = Client(socket_path, client=f"bench-gen{rank}")
+        client = Client(socket_path, client=f"bench-gen{rank}", spin_s=spin_s)
         layout = KVLayout(**geometry, tp_size=tp)
         ids = client.alloc(f"gen{rank}", blocks)
     except BaseException as exc:

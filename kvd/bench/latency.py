@@ -59,11 +59,14 @@ class _Executors:
     in four interpreters, not four threads queueing for one GIL. Blocks are leased once per size."""
 
     def __init__(self, ctx_d: DaemonProcess, gen_d: DaemonProcess, blocks: int,
-                 geometry: dict[str, Any] | None = None) -> None:
+                 geometry: dict[str, Any] | None = None, spin_s: float = 0.0) -> None:
         self.blocks = blocks
+        #: the last request's start and every executor's completion (``perf_counter``):
+        #: (t0, {"ctx": t, "gen0": t, ...})
+        self.last_times: tuple[float, dict[str, float]] = (0.0, {})
         geometry = GEOMETRY if geometry is None else geometry
         self.ctx_layout = KVLayout(**geometry, tp_size=1)
-        self.ctx = Client(ctx_d.socket_path, client="bench-ctx")
+        self.ctx = Client(ctx_d.socket_path, client="bench-ctx", spin_s=spin_s)
         self.ctx_ids = self.ctx.alloc("ctx0", blocks)
         spawn = mp.get_context("spawn")  # no fork of a process that may hold CUDA state
         self.pipes: list[Connection] = []
@@ -72,7 +75,7 @@ class _Executors:
             for r in range(GEN_TP):
                 here, there = spawn.Pipe()
                 proc = spawn.Process(target=gen_executor.serve, name=f"bench-gen{r}", daemon=True,
-                                     args=(str(gen_d.socket_path), r, blocks, geometry, GEN_TP, there))
+                                     args=(str(gen_d.socket_path), r, blocks, geometry, GEN_TP, there, spin_s))
                 proc.start()
                 there.close()
                 self.pipes.append(here)
@@ -144,6 +147,7 @@ class _Executors:
             waiter.join(90)
         if errors:
             raise errors[0]
+        self.last_times = (t0, dict(done_at))
         return max(done_at.values()) - t0, done_at["ctx"] - t0, nbytes[0]
 
     def close(self) -> None:
@@ -180,7 +184,7 @@ def _done_lines(d: DaemonProcess) -> dict[str, dict[str, Any]]:
 
 def run(workdir: Path, sizes: list[int], repeat: int, *, mapped: bool, memory: str = "host", device: int = -1,
         gen_device: int | None = None, pipelined: bool = True, busy_poll: str = "auto",
-        geometry: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+        geometry: dict[str, Any] | None = None, client_spin_s: float = 0.0) -> list[dict[str, Any]]:
     """Measure every size and order on one pair of daemons; one row per (size, order).
 
     Host pools by default; ``memory="auto", device=0, gen_device=1`` puts the ctx pool on GPU 0
@@ -188,7 +192,7 @@ def run(workdir: Path, sizes: list[int], repeat: int, *, mapped: bool, memory: s
     executor sends its registration and wait together (see :meth:`_Executors.once`).
     ``busy_poll``: both daemons' ``transfer.busy_poll``. ``geometry``: the pools' and the
     requests' KV geometry (default :data:`GEOMETRY`; :data:`TINY_GEOMETRY` measures the
-    control path alone).
+    control path alone). ``client_spin_s``: every executor's ``Client(spin_s=)``.
     """
     sub = workdir / ("lat-mapped" if mapped else "lat-nixl")
     sub.mkdir()
@@ -199,7 +203,7 @@ def run(workdir: Path, sizes: list[int], repeat: int, *, mapped: bool, memory: s
     try:
         _wait_for_link(gen_d)  # gen may name ctx only once ctx's link came up (a known peer)
         for blocks in sizes:
-            ex = _Executors(ctx_d, gen_d, blocks, geometry)
+            ex = _Executors(ctx_d, gen_d, blocks, geometry, client_spin_s)
             try:
                 ex.once(f"warm-{blocks}", True, pipelined)
                 ex.once(f"warm2-{blocks}", False, pipelined)

@@ -217,8 +217,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", default="cuda", help="cuda, the default (two GPUs, or one with --gen-gpu 0)")
     parser.add_argument("--blocks", type=int, default=256, help="request size in blocks (2.25 MiB each; default 256)")
     parser.add_argument("--repeat", type=int, default=5, help="timed runs of each measurement, the best shown (default 5)")
-    parser.add_argument("--chunk-mb", type=int, default=64, help="bounce chunk size in MiB (default 64)")
-    parser.add_argument("--bounce-mb", type=int, default=512, help="bounce buffer size in MiB (default 512)")
+    parser.add_argument("--chunk-mb", type=int, default=160,
+                        help="bounce slot size in MiB, the largest chunk (default 160: a 576 MiB TP1 -> TP4 "
+                             "request goes as one chunk per pair, the fastest on GPUs)")
+    parser.add_argument("--bounce-mb", type=int, default=1280, help="bounce buffer size in MiB (default 1280: 8 slots)")
     parser.add_argument("--sizes", default="1,4,16,64,256", help="block counts for the size sweep (default 1,4,16,64,256)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     parser.add_argument("--plot", default="", help="write a PNG of GB/s against request size")
@@ -235,6 +237,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--busy-poll", choices=["auto", "on", "off"], default="auto",
                         help="both daemons' transfer.busy_poll (spin while requests are pending; default auto: "
                              "on with at least 8 usable cores)")
+    parser.add_argument("--client-spin-us", type=float, default=0.0,
+                        help="the latency table's executors poll their socket this long before sleeping "
+                             "(Client(spin_s=); default 0: they sleep at once)")
     return parser
 
 
@@ -254,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         ceiling = _contiguous_copy(nbytes, args.repeat, g)
         lat_sizes = [int(x) for x in args.latency_sizes.split(",") if x]
         lat = {name: latency.run(workdir, lat_sizes, args.latency_repeat, mapped=on, memory="auto", device=0,
-                                 gen_device=g, busy_poll=args.busy_poll)
+                                 gen_device=g, busy_poll=args.busy_poll, client_spin_s=args.client_spin_us * 1e-6)
                for name, on in (("mapped", True), ("nixl", False))} if lat_sizes else {}
         thread = args.nixl_progress_thread
         mapped = _e2e(workdir, max(sizes), sizes, args.repeat, True, args.chunk_mb, args.bounce_mb, thread,

@@ -41,6 +41,7 @@ import numpy as np
 import numpy.typing as npt
 import structlog
 
+from kvd.regroup.pinned import PinnedTables
 from kvd.regroup.table import MAX_DIGITS, PairGrid
 
 __all__ = [
@@ -358,6 +359,15 @@ class RegroupKernel:
         self._args_lock = threading.Lock()
         #: completed events, recorded again by later launches (no create/destroy per launch)
         self._events: list[Any] = []
+        #: page-locked slots the launch tables are copied from (None: pageable tables only)
+        self._pinned: PinnedTables | None = None
+        _check(cu.cuCtxPushCurrent(self.ctx), "cuCtxPushCurrent")
+        try:
+            self._pinned = PinnedTables(cu)
+        except OSError as exc:  # speed only: the tables go from pageable memory
+            log.info("regroup.pinned_tables_unavailable", device=device, error=str(exc))
+        finally:
+            cu.cuCtxPopCurrent()
 
     @staticmethod
     def _table_pool(cu: Any, device: int) -> Any:
@@ -423,9 +433,24 @@ class RegroupKernel:
         if table.dtype != np.int64 or not table.flags.c_contiguous:
             raise KernelError("a launch table is a contiguous int64 array")
         nbytes = table.nbytes
+        slot = self._pinned.take(table) if self._pinned is not None else None
+        host = slot[1] if slot is not None else table.__array_interface__["data"][0]
+        try:
+            ev = self._enqueue_from(cu, host, nbytes, npairs, ntiles, hs)
+        except BaseException:
+            if slot is not None:
+                assert self._pinned is not None
+                self._pinned.hold(slot[0], None)  # its copy may be enqueued: never reuse it
+            raise
+        if slot is not None:
+            assert self._pinned is not None
+            self._pinned.hold(slot[0], ev)
+        return ev
+
+    def _enqueue_from(self, cu: Any, host: int, nbytes: int, npairs: int, ntiles: int, hs: Any) -> DriverEvent:
         dptr = _check(cu.cuMemAllocFromPoolAsync(nbytes, self._pool, hs), "cuMemAllocFromPoolAsync")
         try:
-            _check(cu.cuMemcpyHtoDAsync(dptr, table.__array_interface__["data"][0], nbytes, hs), "cuMemcpyHtoDAsync")
+            _check(cu.cuMemcpyHtoDAsync(dptr, host, nbytes, hs), "cuMemcpyHtoDAsync")
             if ntiles > 0:
                 gx = min(ntiles, 1 << 30)
                 gy = -(-ntiles // gx)

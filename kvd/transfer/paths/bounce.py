@@ -60,11 +60,15 @@ CHUNK_GRANULE = 64 << 10
 #: their overlap saves: a request below this per pair goes as one chunk per pair.
 MIN_CHUNK = 1 << 20
 #: Chunks a request on GPUs is cut into at least (over all pairs) when large enough: the first
-#: gather and the last scatter are then an eighth of the request, the rest overlaps the writes.
-#: On host memory every chunk costs worker-thread hops on a few cores that overlap little:
-#: there one chunk per pair and slot (measured on 2 cores: 36 MiB in 8 chunks took 1.6x as long
-#: as in 4).
-PIPELINE_CHUNKS = 8
+#: gather and the last scatter are then a quarter of the request, the rest overlaps the writes.
+#: Each chunk costs both daemons ~0.3 ms of host work (a gather or scatter launch, a write,
+#: a notification, a credit), while the GPU gathers 144 MiB in ~0.1 ms: measured on one H200
+#: (`kvd bench transfer --device cuda --gen-gpu 0`, 160 MiB slots, ctx TP1 -> gen TP4) the
+#: 576 MiB request moved 151 GB/s in 8 chunks and 190 GB/s in 4 (87.5 in 12 chunks of the
+#: 64 MiB slots), 36 MiB 12.6 -> 16.7 GB/s. On host memory every chunk costs worker-thread hops
+#: on a few cores that overlap little: there one chunk per pair and slot (measured on 2 cores:
+#: 36 MiB in 8 chunks took 1.6x as long as in 4).
+PIPELINE_CHUNKS = 4
 #: A gather or scatter kernel's speed (local HBM on one side, ~1.5 TB/s measured on H200),
 #: used to time the first poll of its completion event.
 STAGE_BPS = 1.5e12
