@@ -463,3 +463,75 @@ def test_direct_apply_torch_matches_numpy() -> None:
     for r in range(4):
         assert bytes(a[r]) == b[r].view(torch.uint8).numpy().tobytes()
     assert math.prod(gen.pool_shape(0)) * 2 == gen.pool_bytes(0)
+
+
+# -- the all-ranks-at-once validation against the per-rank one ------------------------------------
+
+#: what may replace one id of a valid request: out of range, a duplicate, wrong types
+_BAD_ID = st.sampled_from([-1, 12, 0, 0.5, True, "1", None, 2**64, [0]])
+_LAYOUTS = [{}, {"tp_size": 4}, {"tp_size": 2, "pp_size": 2}, {"tp_size": 4, "attention_dp": True},
+            {"tp_size": 2, "pp_size": 2, "attention_dp": True}]
+
+
+@st.composite
+def _side_blocks(draw: Any, layout: KVLayout) -> Any:
+    """A valid side of a request for ``layout`` (lists, or arrays of some integer dtype), then
+    often broken one way: a bad id, a rank of bools, a rank too many or missing, odd keys."""
+    tp = layout.tp_size
+    if layout.attention_dp:
+        ranks = sorted({s * tp + draw(st.integers(0, tp - 1)) for s in range(layout.pp_size) for _ in range(2)})
+    else:
+        ranks = list(range(layout.world_size))
+    n = draw(st.integers(1, 4))
+    blocks: dict[Any, Any] = {r: draw(st.lists(st.integers(0, 11), min_size=n, max_size=n, unique=True)) for r in ranks}
+    kind = draw(st.sampled_from(["list", "int64", "int16", "uint8", "float32"]))
+    if kind != "list":
+        blocks = {r: np.array(v, dtype=kind) for r, v in blocks.items()}
+    r = draw(st.sampled_from(ranks))
+    match draw(st.integers(0, 9)):
+        case 0:
+            ids = list(blocks[r])
+            ids[draw(st.integers(0, n - 1))] = draw(_BAD_ID)
+            blocks[r] = ids
+        case 1:
+            blocks[r] = [True] * n
+        case 2:
+            blocks[r] = [*blocks[r], int(blocks[r][0])]
+        case 3:
+            del blocks[r]
+        case 4:
+            blocks[draw(st.sampled_from([layout.world_size, -1, True, np.int64(0)]))] = blocks[r]
+        case 5:
+            blocks[r] = tuple(int(x) for x in blocks[r])
+    return blocks
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), side=st.sampled_from(["ctx", "gen"]), layout_kw=st.sampled_from(_LAYOUTS))
+def test_validation_at_once_agrees_with_rank_by_rank(data: Any, side: str, layout_kw: dict[str, Any]) -> None:
+    """The fast path over all ranks (one matrix) accepts exactly what the per-rank check
+    accepts, with the same int64 ids; whatever it declines, the per-rank check refuses with
+    the same message as before, through check_blocks and plan alike."""
+    from kvd.regroup import plan as planner
+
+    layout = KVLayout(**{**GPT_OSS, "num_blocks": 12, **layout_kw})
+    blocks = data.draw(_side_blocks(layout))
+    try:
+        want: dict[int, Any] | None = planner._check_blocks_each(side, layout, blocks)
+        error = ""
+    except BadRequest as exc:
+        want, error = None, str(exc)
+    fast = planner._check_blocks_at_once(side, layout, blocks)
+    if fast is not None:
+        assert want is not None, f"fast path accepted what the per-rank check refuses: {error}"
+        arrays, matrix = fast
+        assert list(arrays) == list(want) and matrix.dtype == np.int64
+        for i, (r, ids) in enumerate(arrays.items()):
+            assert ids.dtype == np.int64 and np.array_equal(ids, want[r]) and np.array_equal(matrix[i], ids)
+    if want is None:
+        with pytest.raises(BadRequest) as info:
+            check_blocks(side, layout, blocks)
+        assert str(info.value) == error
+    else:
+        got = check_blocks(side, layout, blocks).arrays
+        assert list(got) == list(want) and all(np.array_equal(got[r], want[r]) for r in want)

@@ -9,6 +9,7 @@ the fragment stager's bounce chunks byte for byte (either side may run either im
 from __future__ import annotations
 
 import random
+import weakref
 from typing import Any
 
 import numpy as np
@@ -201,3 +202,35 @@ def test_axis_orders_are_the_two_real_ones() -> None:
     """The named kinds cover both production axis orders on both sides."""
     orders = {KINDS[k][i].get("axis_order", TRTLLM_AXIS_ORDER) for k in KINDS for i in (0, 1)}
     assert {TRTLLM_AXIS_ORDER, VLLM_AXIS_ORDER} <= orders
+
+
+def test_pool_descriptors_are_remembered_per_tensor_object(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The templated launches key their cache by each pool's (address, bytes, device), asked
+    of torch once per tensor object: the same object is answered from memory, another object
+    under a reused id (a dead tensor's) is asked again, a non-CUDA tensor reads None (the
+    kernel is not for it), and the memory is emptied when full."""
+    calls: list[int] = []
+
+    def desc(t: torch.Tensor) -> tuple[int, int, int]:
+        calls.append(id(t))
+        return t.data_ptr(), t.numel() * t.element_size(), 7
+
+    monkeypatch.setattr(rg, "_POOL_DESC", {})
+    assert rg._pool_desc(torch.zeros(4, dtype=torch.uint8)) is None  # CPU: not the kernel's
+    monkeypatch.setattr(rg, "_is_cuda", lambda t: True)  # CPU tensors stand in for CUDA pools
+    monkeypatch.setattr(rg, "_desc", desc)
+    a = torch.zeros(64, dtype=torch.uint8)
+    assert rg._pool_desc(a) == (a.data_ptr(), 64, 7) and rg._pool_desc(a) == (a.data_ptr(), 64, 7)
+    assert calls == [id(a)]  # asked once
+    # an entry left by a dead tensor whose id ``b`` now has: not taken for b
+    b = torch.zeros(32, dtype=torch.uint8)
+    ghost = torch.zeros(1, dtype=torch.uint8)
+    rg._POOL_DESC[id(b)] = (weakref.ref(ghost), (1, 2, 3))
+    assert rg._pool_desc(b) == (b.data_ptr(), 32, 7) and calls == [id(a), id(b)]
+    del ghost
+    # full: emptied, then remembered again
+    monkeypatch.setattr(rg, "POOL_DESC_KEEP", 2)
+    c = torch.zeros(16, dtype=torch.uint8)
+    assert rg._pool_desc(c) == (c.data_ptr(), 16, 7)
+    assert set(rg._POOL_DESC) == {id(c)}
+    assert rg._pool_desc(c) == (c.data_ptr(), 16, 7) and calls == [id(a), id(b), id(c)]

@@ -39,6 +39,7 @@ default 16 KiB; 4-64 KiB measured alike). A launch failure surfaces in ``done()`
 
 from __future__ import annotations
 
+import weakref
 from collections import OrderedDict
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Literal
@@ -306,6 +307,39 @@ def _nbytes(t: Any) -> int:
     return int(t.numel() * t.element_size())
 
 
+def _desc(t: Any) -> tuple[int, int, int]:
+    """(address, bytes, device index) of CUDA tensor ``t``: what a launch template bakes in."""
+    return int(t.data_ptr()), _nbytes(t), int(t.device.index)
+
+
+#: Pool tensors the templated launches have seen, by id: a weak reference (a reused id of a
+#: dead tensor is told from the tensor by it) and :func:`_desc`, or None for a tensor not on
+#: CUDA. Emptied when full.
+_POOL_DESC: dict[int, tuple[weakref.ref[Any], tuple[int, int, int] | None]] = {}
+POOL_DESC_KEEP = 1024
+
+
+def _pool_desc(t: Any) -> tuple[int, int, int] | None:
+    """:func:`_desc` of a pool tensor, or None when it is not a CUDA tensor; computed once
+    per tensor object. The pools kvd passes are fixed views over kvd-owned memory (the
+    pool's ``tensor_u8()``, a mapping's ``raw``), made once and never re-pointed, so their
+    address, size and device are properties of the object: asking torch for them (five
+    calls a pool, twenty-five a TP1 -> TP4 launch) on every request cost more host time
+    than the table. Not for per-call views (a bounce slot's slice): use :func:`_desc`."""
+    hit = _POOL_DESC.get(id(t))
+    if hit is not None and hit[0]() is t:
+        return hit[1]
+    desc = _desc(t) if _is_cuda(t) else None
+    try:
+        ref = weakref.ref(t)
+    except TypeError:  # (not weakly referenceable: not remembered)
+        return desc
+    if len(_POOL_DESC) >= POOL_DESC_KEEP:
+        _POOL_DESC.clear()
+    _POOL_DESC[id(t)] = (ref, desc)
+    return desc
+
+
 def _templated(
     plan: Plan, src_rank: int, src_pool: Any, dst_pools: Mapping[int, Any], stream: Any, tile_bytes: int,
     launch_on: LaunchOn,
@@ -313,10 +347,19 @@ def _templated(
     """:func:`regroup` on the kernel from a cached launch template: the request's block tables
     are all that is computed. None when the kernel cannot do it here (the caller's general
     path then decides: torch, or an error)."""
-    if plan.shape_key is None or not _is_cuda(src_pool) or not all(_is_cuda(t) for t in dst_pools.values()):
+    if plan.shape_key is None:
         return None
-    key = (plan.shape_key, src_rank, launch_on, tile_bytes, src_pool.data_ptr(), _nbytes(src_pool),
-           tuple(sorted((d, t.data_ptr(), _nbytes(t), t.device.index) for d, t in dst_pools.items())))
+    src_desc = _pool_desc(src_pool)
+    if src_desc is None:
+        return None
+    dsts = []
+    for d, t in dst_pools.items():
+        dst_desc = _pool_desc(t)
+        if dst_desc is None:
+            return None
+        dsts.append((d, dst_desc))
+    dsts.sort()
+    key = (plan.shape_key, src_rank, launch_on, tile_bytes, src_desc, tuple(dsts))
     parts = _templates.get(key)
     if parts is None:
         parts = _build_templates(plan, src_rank, src_pool, dst_pools, tile_bytes, launch_on)
@@ -364,8 +407,12 @@ def _templated_chunk(
     g, src, dst, lo, hi, sp, dp = item
     if plan.shape_key is None or g.src not in plan.ctx_offsets or g.dst not in plan.gen_offsets:
         return None
-    key = ("chunk", plan.shape_key, dev, tile_bytes, g.src, g.dst, lo, hi, sp, dp,
-           src.data_ptr(), _nbytes(src), src.device.index, dst.data_ptr(), _nbytes(dst), dst.device.index)
+    # a packed side is a bounce slot, sliced anew for each chunk: asked; a pool side: remembered
+    src_desc = _desc(src) if sp else _pool_desc(src)
+    dst_desc = _desc(dst) if dp else _pool_desc(dst)
+    if src_desc is None or dst_desc is None:
+        return None  # (not CUDA: the general path says what happens)
+    key = ("chunk", plan.shape_key, dev, tile_bytes, g.src, g.dst, lo, hi, sp, dp, src_desc, dst_desc)
     parts = _templates.get(key)
     if parts is None:
         k = kernel.kernel_for(dev)

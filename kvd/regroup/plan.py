@@ -34,7 +34,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -117,8 +117,11 @@ class Plan:
         ctx_blocks: dict[int, Int64Array],
         gen_blocks: dict[int, Int64Array],
         num_tokens: int,
-        fragments: dict[tuple[int, int], Callable[[], Int64Array]],
+        fragments: Mapping[tuple[int, int], Callable[[], Int64Array]] | None,
         boxes: dict[tuple[int, int], Box],
+        *,
+        shape: _Shape | None = None,
+        offsets: tuple[dict[int, Int64Array], dict[int, Int64Array]] | None = None,
     ) -> None:
         self.ctx = ctx
         self.gen = gen
@@ -128,22 +131,31 @@ class Plan:
         #: Tokens moved: min(ctx token slots, gen token slots) of the request's blocks.
         self.num_tokens = num_tokens
         # Fragments are computed on first use per pair: the whole-block box paths (mapped,
-        # GPU pipeline) never need them, and they are most of plan()'s cost.
+        # GPU pipeline) never need them, and they are most of plan()'s cost. ``fragments``
+        # None: from the planner's shape and offsets (:meth:`_compute`).
         self._fragment_fns = fragments
         self._fragments: dict[tuple[int, int], Int64Array] = {}
         self._boxes = boxes
-        self._pairs = sorted(fragments)
+        self._shape = shape
+        self._pairs = shape.pairs if shape is not None else sorted(fragments or ())
         #: What every request of this layout pair, rank set and size shares (None when built
         #: by hand): kernels cache their launch descriptors by it.
-        self.shape_key: tuple[object, ...] | None = None
+        self.shape_key: tuple[object, ...] | None = shape.key if shape is not None else None
         #: Byte offset of each sub-block of the request in each rank's pool (ctx, gen), as
         #: the planner walks it; set by :func:`plan`.
-        self.ctx_offsets: dict[int, Int64Array] = {}
-        self.gen_offsets: dict[int, Int64Array] = {}
+        self.ctx_offsets: dict[int, Int64Array] = offsets[0] if offsets is not None else {}
+        self.gen_offsets: dict[int, Int64Array] = offsets[1] if offsets is not None else {}
         self._copiers: dict[tuple[int, int], FragmentCopier] = {}
-        # asked several times per request on the daemon's hot path: computed once
-        self._total: int | None = None
-        self._direct: bool | None = None
+        #: What other modules derive from this plan and keep with it (kvd.regroup.table: the
+        #: pairs' grids), dropped with the plan.
+        self.memo: dict[object, object] = {}
+        #: What other modules derive from the shape alone (kvd.regroup.table: each pair's grid
+        #: without its block tables), shared by every plan of the shape; a plan built by hand
+        #: has its own.
+        self.shape_memo: dict[object, object] = shape.memo if shape is not None else {}
+        # asked several times per request on the daemon's hot path: computed once (per shape)
+        self._total: int | None = shape.total if shape is not None else None
+        self._direct: bool | None = shape.direct if shape is not None else None
 
     def __repr__(self) -> str:
         return (
@@ -162,11 +174,22 @@ class Plan:
         key = (s, d)
         frags = self._fragments.get(key)
         if frags is None:
-            fn = self._fragment_fns.get(key)
-            if fn is None:
+            frags = self._compute(key)
+            if frags is None:
                 return _EMPTY
-            frags = self._fragments[key] = fn()
+            self._fragments[key] = frags
         return frags
+
+    def _compute(self, key: tuple[int, int]) -> Int64Array | None:
+        if self._fragment_fns is not None:
+            fn = self._fragment_fns.get(key)
+            return fn() if fn is not None else None
+        box, shape = self._boxes.get(key), self._shape
+        if box is None or shape is None:
+            return None
+        s, d = key
+        return _pair_fragments(box, self.ctx, self.gen, shape.src_strides[s], shape.dst_strides[d],
+                               self.ctx_offsets[s], self.gen_offsets[d], shape.sub)
 
     def box(self, s: int, d: int) -> Box | None:
         """The layer/head region pair (s, d) moves, or None."""
@@ -174,26 +197,30 @@ class Plan:
 
     def src_ranks(self) -> list[int]:
         """ctx ranks that send bytes, sorted."""
+        if self._shape is not None:
+            return list(self._shape.src_ranks)
         return sorted({s for s, _ in self._pairs})
 
     def dst_ranks(self) -> list[int]:
         """gen ranks that receive bytes, sorted."""
+        if self._shape is not None:
+            return list(self._shape.dst_ranks)
         return sorted({d for _, d in self._pairs})
 
     def total_bytes(self, s: int | None = None, d: int | None = None) -> int:
         """Bytes moved, over all pairs or those with the given src and/or dst rank."""
-        if s is None and d is None and self._total is not None:
-            return self._total
-        # a pair moves its box (layers x K/V x heads x head_dim) for every token of the request
-        per_token = 2 * self.ctx.head_dim * self.ctx.itemsize
-        total = sum(
-            (b.layers[1] - b.layers[0]) * (b.heads[1] - b.heads[0]) * per_token * self.num_tokens
-            for (ps, pd), b in self._boxes.items()
-            if (s is None or ps == s) and (d is None or pd == d)
-        )
         if s is None and d is None:
-            self._total = total
-        return total
+            if self._total is None:
+                self._total = _box_bytes(self.ctx, self._boxes.values(), self.num_tokens)
+            return self._total
+        if s is not None and d is not None:
+            box = self._boxes.get((s, d))
+            return _box_bytes(self.ctx, () if box is None else (box,), self.num_tokens)
+        return _box_bytes(
+            self.ctx,
+            (b for (ps, pd), b in self._boxes.items() if (s is None or ps == s) and (d is None or pd == d)),
+            self.num_tokens,
+        )
 
     def num_fragments(self, s: int | None = None, d: int | None = None) -> int:
         """Fragments, over all pairs or those with the given src and/or dst rank."""
@@ -208,18 +235,7 @@ class Plan:
         tokens per block, and the pair covers all layers and heads of both ranks' pools, so
         every source block maps byte for byte onto a destination block (no regroup)."""
         box = self._boxes.get((s, d))
-        if box is None:
-            return False
-        if (
-            self.ctx.axis_order != self.gen.axis_order
-            or self.ctx.tokens_per_block != self.gen.tokens_per_block
-        ):
-            return False
-        src_shape = self.ctx.local_shape(s)
-        dst_shape = self.gen.local_shape(d)
-        nl = box.layers[1] - box.layers[0]
-        nh = box.heads[1] - box.heads[0]
-        return src_shape["layer"] == dst_shape["layer"] == nl and src_shape["head"] == dst_shape["head"] == nh
+        return box is not None and _is_direct(self.ctx, self.gen, box)
 
     @property
     def direct(self) -> bool:
@@ -271,6 +287,80 @@ def _has_duplicates(arr: Int64Array) -> bool:
 
 def _check_blocks(side: str, layout: KVLayout, blocks: Mapping[int, Iterable[int]]) -> dict[int, Int64Array]:
     """Validate one side's ``{rank: block ids}``; return int64 arrays."""
+    return _validate(side, layout, blocks)[0]
+
+
+def _validate(
+    side: str, layout: KVLayout, blocks: Mapping[int, Iterable[int]]
+) -> tuple[dict[int, Int64Array], Int64Array | None]:
+    """:func:`_check_blocks`, and the ids as one (ranks, blocks) matrix whose rows are the
+    returned arrays when the fast path built them so (else None)."""
+    fast = _check_blocks_at_once(side, layout, blocks)
+    if fast is not None:
+        return fast
+    return _check_blocks_each(side, layout, blocks), None
+
+
+@functools.lru_cache(maxsize=512)
+def _ranks_ok(layout: KVLayout, ranks: tuple[int, ...], ctx_side: bool) -> bool:
+    """Whether naming exactly ``ranks`` (plain ints) passes :func:`_check_blocks_each`'s rank
+    checks (the same for every request of a layout and rank set, so answered once)."""
+    world = layout.world_size
+    if not ranks or any(not 0 <= r < world for r in ranks):
+        return False
+    tp = layout.tp_size
+    named = set(ranks)
+    for stage in range(layout.pp_size):
+        held = [r for r in named if r // tp == stage]
+        if layout.attention_dp:
+            if not held or (ctx_side and len(held) > 1):
+                return False
+        elif any(r not in named for r in range(stage * tp, (stage + 1) * tp)):
+            return False
+    return True
+
+
+def _check_blocks_at_once(
+    side: str, layout: KVLayout, blocks: Mapping[int, Iterable[int]]
+) -> tuple[dict[int, Int64Array], Int64Array] | None:
+    """The common case of :func:`_check_blocks_each` in a few numpy calls over all ranks at
+    once: a dict of equally long, non-empty lists (or 1-d arrays) of valid, distinct ids per
+    rank. None when anything is off (or unusual): the per-rank check then says what. A 1-block
+    GPT-OSS request, TP1 -> TP4, was ~60 us of per-rank numpy calls on the event loop."""
+    if type(blocks) is not dict or not blocks or layout.num_blocks < 1:
+        return None
+    ranks = tuple(blocks)
+    values = list(blocks.values())
+    for v in values:
+        # a rank of bools alone is refused, but beside integer ranks numpy would read it as
+        # integers: such (odd) input takes the per-rank check
+        if type(v) is list:
+            if v and isinstance(v[0], bool | np.bool_):
+                return None
+        elif type(v) is not np.ndarray or v.dtype.kind not in "iu":
+            return None
+    # (types first: the cache below takes True for 1)
+    if not all(type(r) is int for r in ranks) or not _ranks_ok(layout, ranks, side == "ctx"):
+        return None
+    try:
+        mat = np.array(values)
+    except (ValueError, TypeError, OverflowError):
+        return None
+    if mat.ndim != 2 or mat.shape[1] == 0 or mat.dtype.kind not in "iu":
+        return None
+    if mat.dtype != np.int64:
+        mat = mat.astype(np.int64)
+    if int(mat.view(np.uint64).max()) >= layout.num_blocks:  # (a negative id reads as huge)
+        return None
+    if mat.shape[1] > 1:
+        srt = np.sort(mat, axis=1)
+        if (srt[:, 1:] == srt[:, :-1]).any():
+            return None
+    return {r: mat[i] for i, r in enumerate(ranks)}, mat
+
+
+def _check_blocks_each(side: str, layout: KVLayout, blocks: Mapping[int, Iterable[int]]) -> dict[int, Int64Array]:
+    """Validate one side's ``{rank: block ids}`` rank by rank; raise the first error found."""
     if not isinstance(blocks, Mapping):
         raise BadRequest(
             f"{side}_blocks must be a mapping {{rank: [block id, ...]}}, got {type(blocks).__name__}"
@@ -282,7 +372,7 @@ def _check_blocks(side: str, layout: KVLayout, blocks: Mapping[int, Iterable[int
             raise BadRequest(f"{side}_blocks names rank {rank!r}, outside the layout's ranks [0, {world})")
         try:
             arr = np.asarray(list(ids) if not isinstance(ids, np.ndarray) else ids)
-        except TypeError as exc:
+        except (TypeError, ValueError) as exc:  # (ValueError: ragged, e.g. [[0], 1])
             raise BadRequest(f"{side} rank {rank}: block ids must be a sequence of integers") from exc
         if arr.size == 0:
             arr = arr.astype(np.int64)
@@ -344,19 +434,24 @@ class CheckedBlocks:
 
     layout: KVLayout
     arrays: dict[int, Int64Array]
+    #: The same ids as one (ranks in ``arrays`` order, blocks) matrix, when validated so.
+    matrix: Int64Array | None = None
 
 
 def check_blocks(side: str, layout: KVLayout, blocks: Mapping[int, Iterable[int]]) -> CheckedBlocks:
     """Validate one side (``side``: "ctx" or "gen") as :func:`plan` does; raises the same errors."""
-    return CheckedBlocks(layout, _check_blocks(side, layout, blocks))
+    arrays, matrix = _validate(side, layout, blocks)
+    return CheckedBlocks(layout, arrays, matrix)
 
 
-def _blocks_of(side: str, layout: KVLayout, blocks: Mapping[int, Iterable[int]] | CheckedBlocks) -> dict[int, Int64Array]:
+def _blocks_of(
+    side: str, layout: KVLayout, blocks: Mapping[int, Iterable[int]] | CheckedBlocks
+) -> tuple[dict[int, Int64Array], Int64Array | None]:
     if isinstance(blocks, CheckedBlocks):
         if blocks.layout is layout or blocks.layout == layout:
-            return blocks.arrays
-        return _check_blocks(side, layout, blocks.arrays)  # checked against another layout: again
-    return _check_blocks(side, layout, blocks)
+            return blocks.arrays, blocks.matrix
+        return _validate(side, layout, blocks.arrays)  # checked against another layout: again
+    return _validate(side, layout, blocks)
 
 
 def _sources(
@@ -501,34 +596,11 @@ def plan(
     divides the other) and :class:`BadRequest` for bad block ids or rank sets.
     """
     _compatible(ctx, gen)
-    cb = _blocks_of("ctx", ctx, ctx_blocks)
-    gb = _blocks_of("gen", gen, gen_blocks)
-    n_ctx = next(iter(cb.values())).size
-    n_gen = next(iter(gb.values())).size
-    shape = _shape(ctx, gen, tuple(cb), tuple(gb), n_ctx, n_gen)
-    sub, nsub = shape.sub, shape.nsub
-    c_idx = np.arange(nsub, dtype=np.int64)
-
-    def chunk_offsets(layout: KVLayout, strides: dict[str, int], ids: Int64Array) -> Int64Array:
-        k = layout.tokens_per_block // sub
-        if k == 1:
-            return ids[:nsub] * strides["block"]
-        off: Int64Array = ids[c_idx // k] * strides["block"] + (c_idx % k) * (sub * strides["token"])
-        return off
-
-    src_strides, dst_strides = shape.src_strides, shape.dst_strides
-    src_off = {r: chunk_offsets(ctx, src_strides[r], cb[r]) for r in cb}
-    dst_off = {r: chunk_offsets(gen, dst_strides[r], gb[r]) for r in gb}
-    fragments: dict[tuple[int, int], Callable[[], Int64Array]] = {
-        (s, d): functools.partial(
-            _pair_fragments, box, ctx, gen, src_strides[s], dst_strides[d], src_off[s], dst_off[d], sub
-        )
-        for (s, d), box in shape.boxes.items()
-    }
-    p = Plan(ctx, gen, cb, gb, shape.tokens, fragments, dict(shape.boxes))
-    p.shape_key = (ctx, gen, tuple(cb), tuple(gb), n_ctx, n_gen)
-    p.ctx_offsets, p.gen_offsets = src_off, dst_off
-    return p
+    cb, cmat = _blocks_of("ctx", ctx, ctx_blocks)
+    gb, gmat = _blocks_of("gen", gen, gen_blocks)
+    shape = _shape(ctx, gen, tuple(cb), tuple(gb), next(iter(cb.values())).size, next(iter(gb.values())).size)
+    return Plan(ctx, gen, cb, gb, shape.tokens, None, shape.boxes, shape=shape,
+                offsets=(shape.src_walk.offsets(cb, cmat), shape.dst_walk.offsets(gb, gmat)))
 
 
 @functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
@@ -537,18 +609,69 @@ def _compatible(ctx: KVLayout, gen: KVLayout) -> None:
     _check_compatible(ctx, gen)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
+class _Walk:
+    """How one side's block ids become the byte offsets of the request's sub-blocks in each
+    rank's pool (the same for every request of a shape): ``off = ids[c // k] * block stride +
+    (c % k) * sub * token stride`` for sub-block ``c``, all ranks at once."""
+
+    ranks: tuple[int, ...]
+    nsub: int
+    #: sub-blocks per block of this side (1: a block is one sub-block)
+    k: int
+    #: (ranks, 1) per-rank block stride and sub-block stride (sub * token stride), in ``ranks`` order
+    block: Int64Array
+    step: Int64Array
+    #: c // k and c % k for every sub-block c (k > 1 only)
+    blk: Int64Array
+    within: Int64Array
+
+    @classmethod
+    def build(cls, layout: KVLayout, ranks: tuple[int, ...], strides: dict[int, dict[str, int]], sub: int,
+              nsub: int) -> _Walk:
+        c = np.arange(nsub, dtype=np.int64)
+        k = layout.tokens_per_block // sub
+        col = [[strides[r]["block"]] for r in ranks]
+        step = [[sub * strides[r]["token"]] for r in ranks]
+        return cls(ranks, nsub, k, np.array(col, dtype=np.int64).reshape(len(ranks), 1),
+                   np.array(step, dtype=np.int64).reshape(len(ranks), 1), c // k, c % k)
+
+    def offsets(self, ids: dict[int, Int64Array], matrix: Int64Array | None) -> dict[int, Int64Array]:
+        """Per rank, the byte offset of each sub-block (``matrix``: the ids as one matrix whose
+        rows are ``ids``' arrays in ``ranks`` order, when the validation built one)."""
+        if matrix is None:
+            matrix = np.stack([ids[r] for r in self.ranks])
+        if self.k == 1:
+            off: Int64Array = matrix[:, : self.nsub] * self.block
+        else:
+            off = matrix[:, self.blk] * self.block + self.within * self.step
+        return {r: off[i] for i, r in enumerate(self.ranks)}
+
+
+@dataclass(frozen=True, eq=False)
 class _Shape:
     """What a plan needs beyond the block ids: the same for every request of one layout pair,
-    rank set and size, so :func:`_shape` computes it once (a 1-block plan took ~0.1 ms, most
-    of it here, on the event loop of every transfer)."""
+    rank set and size, so :func:`_shape` computes it once (boxes, strides, what the plan
+    answers about them; a 1-block plan took ~0.1 ms, most of it here, on the event loop of
+    every transfer)."""
 
     tokens: int
     sub: int
     nsub: int
     src_strides: dict[int, dict[str, int]]
     dst_strides: dict[int, dict[str, int]]
+    #: shared by every plan of the shape: read only
     boxes: dict[tuple[int, int], Box]
+    pairs: list[tuple[int, int]]
+    src_ranks: tuple[int, ...]
+    dst_ranks: tuple[int, ...]
+    total: int
+    direct: bool
+    key: tuple[object, ...]
+    src_walk: _Walk
+    dst_walk: _Walk
+    #: :attr:`Plan.shape_memo`
+    memo: dict[object, object] = field(default_factory=dict)
 
 
 @functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
@@ -591,7 +714,34 @@ def _shape(
                         src_head0=ctx.head_range(s % ctx.tp_size)[0],
                         dst_head0=g_heads[0],
                     )
-    return _Shape(tokens, sub, nsub, src_strides, dst_strides, boxes)
+    pairs = sorted(boxes)
+    return _Shape(
+        tokens, sub, nsub, src_strides, dst_strides, boxes, pairs,
+        src_ranks=tuple(sorted({s for s, _ in pairs})),
+        dst_ranks=tuple(sorted({d for _, d in pairs})),
+        total=_box_bytes(ctx, boxes.values(), tokens),
+        direct=bool(pairs) and all(_is_direct(ctx, gen, b) for b in boxes.values()),
+        key=(ctx, gen, ctx_ranks, gen_ranks, n_ctx, n_gen),
+        src_walk=_Walk.build(ctx, ctx_ranks, src_strides, sub, nsub),
+        dst_walk=_Walk.build(gen, gen_ranks, dst_strides, sub, nsub),
+    )
+
+
+def _box_bytes(ctx: KVLayout, boxes: Iterable[Box], num_tokens: int) -> int:
+    """Bytes ``boxes`` move: each its box (layers x K/V x heads x head_dim) for every token."""
+    per_token = 2 * ctx.head_dim * ctx.itemsize
+    return sum((b.layers[1] - b.layers[0]) * (b.heads[1] - b.heads[0]) * per_token * num_tokens for b in boxes)
+
+
+def _is_direct(ctx: KVLayout, gen: KVLayout, box: Box) -> bool:
+    """:meth:`Plan.is_direct` of ``box``'s pair."""
+    if ctx.axis_order != gen.axis_order or ctx.tokens_per_block != gen.tokens_per_block:
+        return False
+    src_shape = ctx.local_shape(box.src)
+    dst_shape = gen.local_shape(box.dst)
+    nl = box.layers[1] - box.layers[0]
+    nh = box.heads[1] - box.heads[0]
+    return src_shape["layer"] == dst_shape["layer"] == nl and src_shape["head"] == dst_shape["head"] == nh
 
 
 # -- executing fragments ----------------------------------------------------------------------

@@ -16,17 +16,16 @@ so the pair's *stream* — its runs back to back, run 0 first — is byte for by
 fragment stager (:func:`kvd.regroup.stager.schedule`) cuts into bounce chunks: a chunk is the byte
 range ``[k * chunk_bytes, (k + 1) * chunk_bytes)`` of that stream in both.
 
-Pure numpy, no torch, no I/O. :func:`pair_grid` is cached per plan (weakly).
+Pure numpy, no torch, no I/O. :func:`pair_grid` is cached per plan.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -147,19 +146,20 @@ def _pow2_align(g: int) -> int:
     return w
 
 
-_CACHE: weakref.WeakKeyDictionary[Plan, dict[tuple[int, int], PairGrid | None]] = weakref.WeakKeyDictionary()
-
-
 def pair_grid(p: Plan, s: int, d: int) -> PairGrid | None:
-    """Pair (s, d)'s grid, or None when the pair moves nothing. Cached per plan."""
-    per_plan = _CACHE.get(p)
+    """Pair (s, d)'s grid, or None when the pair moves nothing. Cached per plan (in
+    :attr:`Plan.memo`)."""
+    per_plan = cast("dict[tuple[int, int], PairGrid | None] | None", p.memo.get(_GRIDS))
     if per_plan is None:
         per_plan = {}
-        _CACHE[p] = per_plan
+        p.memo[_GRIDS] = per_plan
     key = (s, d)
     if key not in per_plan:
         per_plan[key] = _build(p, s, d)
     return per_plan[key]
+
+
+_GRIDS = "kvd.regroup.table.pair_grid"
 
 
 def _chunk_offsets(p: Plan, side: Literal["ctx", "gen"], rank: int, sub: int, strides: dict[str, int]) -> Int64Array:
@@ -178,23 +178,36 @@ def _chunk_offsets(p: Plan, side: Literal["ctx", "gen"], rank: int, sub: int, st
 
 
 def _build(p: Plan, s: int, d: int) -> PairGrid | None:
-    box = p.box(s, d)
-    if box is None:
-        return None
-    ctx, gen = p.ctx, p.gen
-    sub = min(ctx.tokens_per_block, gen.tokens_per_block)
-    run, counts, table_digit, src_base, dst_base, src_strides, dst_strides = _grid_shape(ctx, gen, box)
+    # Everything but the block tables is the same for every plan of the shape (the table
+    # digit's count too: the request's sub-blocks): kept in the plan's shape memo, so a
+    # request's grids cost a lookup and the tables (the bounce path builds every pair's grid
+    # for every request).
+    memo = p.shape_memo
+    key = ("pair_grid", s, d)
+    shape = memo.get(key)
+    if shape is None:  # (a pair without a box is not remembered: it has no grid to build)
+        box = p.box(s, d)
+        if box is None:
+            return None
+        run, counts, table_digit, src_base, dst_base, src_strides, dst_strides = _grid_shape(p.ctx, p.gen, box)
+        sub = min(p.ctx.tokens_per_block, p.gen.tokens_per_block)
+        nsub = p.num_tokens // sub
+        shape = memo[key] = (run, tuple(nsub if i == table_digit else c for i, c in enumerate(counts)), table_digit,
+                             src_base, dst_base, src_strides, dst_strides)
+    run, counts, table_digit, src_base, dst_base, src_strides, dst_strides = cast("_GridShape", shape)
     src_table = p.ctx_offsets.get(s)
     if src_table is None:
-        src_table = _chunk_offsets(p, "ctx", s, sub, pool_strides(ctx, s))
+        src_table = _chunk_offsets(p, "ctx", s, min(p.ctx.tokens_per_block, p.gen.tokens_per_block),
+                                   pool_strides(p.ctx, s))
     dst_table = p.gen_offsets.get(d)
     if dst_table is None:
-        dst_table = _chunk_offsets(p, "gen", d, sub, pool_strides(gen, d))
+        dst_table = _chunk_offsets(p, "gen", d, min(p.ctx.tokens_per_block, p.gen.tokens_per_block),
+                                   pool_strides(p.gen, d))
     return PairGrid(
         src=s,
         dst=d,
         run=run,
-        counts=tuple(src_table.size if i == table_digit else c for i, c in enumerate(counts)),
+        counts=counts,
         table_digit=table_digit,
         src_base=src_base,
         dst_base=dst_base,
@@ -242,6 +255,10 @@ def _grid_shape(
     table_digit = next(i for i, g in enumerate(grid) if g[4])
     return (run, tuple(g[1] for g in grid), table_digit, src_base, dst_base,
             tuple(g[2] for g in grid), tuple(g[3] for g in grid))
+
+
+#: run, counts, table digit, src base, dst base, src strides, dst strides
+_GridShape = tuple[int, tuple[int, ...], int, int, int, tuple[int, ...], tuple[int, ...]]
 
 
 @dataclass(frozen=True, slots=True)

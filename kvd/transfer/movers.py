@@ -30,7 +30,9 @@ import torch
 import trio
 
 from kvd.ops.steptrace import mark
+from kvd.regroup import apply as regroup_apply
 from kvd.regroup import boxbounce
+from kvd.regroup import kernel as kernel_mod
 from kvd.regroup.boxcopy import copy_boxes, supports_box_copy
 from kvd.regroup.plan import Plan
 from kvd.regroup.stager import schedule
@@ -73,8 +75,6 @@ KERNEL_LINK_BPS = 400e9
 async def kernels_loaded(devices: set[int]) -> bool:
     """Whether the regroup kernel runs on every one of ``devices``: answered on the event loop
     once known; the first call per device compiles or loads it in a worker thread."""
-    from kvd.regroup import kernel as kernel_mod
-
     for dev in sorted(devices):
         ready = kernel_mod.kernel_ready(dev)
         if ready is None:
@@ -103,8 +103,6 @@ def launch_kernel(p: Plan, src: dict[int, torch.Tensor], dst: dict[int, torch.Te
     """Enqueue the regroup kernel launches of ``p`` (one per source rank) from flat-byte CUDA
     ``src`` pools into flat-byte ``dst`` pools, without waiting: what a caller that must not
     await (the executor's publish step) does; :func:`kernel_done` waits for them."""
-    from kvd.regroup import apply as regroup_apply
-
     t0 = time.perf_counter()
     launched: list[Any] = []
     try:

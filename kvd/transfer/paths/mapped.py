@@ -15,6 +15,7 @@ from typing import Any, Literal
 import numpy as np
 import numpy.typing as npt
 
+from kvd.regroup.kernel import kernel_ready
 from kvd.regroup.plan import Plan
 from kvd.transfer.movers import copy_runs, kernels_loaded
 from kvd.transfer.paths import local
@@ -52,10 +53,11 @@ def _placement(job: Job) -> tuple[Literal["src", "dst"], set[int]] | None:
     :func:`launch_side`), or None when the pools rule it out."""
     pools = list(job.src.values())
     devices = {pool.device for pool in pools}
-    if not job.mapped or min(devices) < 0:
+    first = min(devices)
+    if not job.mapped or first < 0:
         return None
     mapped: list[Any] = list(job.mapped.values())
-    if len(devices) == 1 and all(mp.device == min(devices) for mp in mapped):
+    if len(devices) == 1 and all(mp.device == first for mp in mapped):
         return "src", devices
     if all(mp.handle_kind == "cuda_ipc" for mp in mapped) and all(pool.kind == "device" for pool in pools):
         # ctx ranks on several GPUs too: each destination GPU pulls from every source GPU
@@ -83,13 +85,11 @@ def launch_now(job: Job) -> local.KernelRun | None:
     and not a copy-engine request. Returns the launched run (its ``finish_now`` reports it in
     the caller's step if it is already done, else a task awaits its ``finish``: the kernel's
     bytes land while the event loop goes on); None: nothing done, use :func:`send`. The launch counts as a posted write (:func:`local.start_kernel`)."""
-    from kvd.regroup import kernel as regroup_kernel_mod
-
     placed = _placement(job)
     if placed is None or copy_engine_runs(job.plan) is not None:
         return None
     where, need = placed
-    if not all(regroup_kernel_mod.kernel_ready(dev) for dev in need):
+    if not all(kernel_ready(dev) for dev in need):
         return None  # not loaded yet (or unavailable): send() loads it in a worker thread
     return _start_kernel(job, where)
 
