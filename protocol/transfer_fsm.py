@@ -475,6 +475,10 @@ _CTX, _GEN = Role.CTX, Role.GEN
 _OTHER: dict[Role, Role] = {_CTX: _GEN, _GEN: _CTX}
 #: The states in which the joint failure rules (spread, report, tell) may apply to a pair.
 _TROUBLE = frozenset({_ABORTING, _FAILED})
+#: The events that carry a deadline, and those that stop a side (tuples: ``A | B`` in an
+#: ``isinstance`` builds a union object on every call).
+_DEADLINE_EVENTS = (RankRegistered, SideComplete, OfferReceived, DestinationReceived)
+_STOP_EVENTS = (Cancel, Disconnect, LocalFailure)
 #: Local events that only one side produces.
 _LOCAL_ONLY: dict[type[Event], Role] = {PathChosen: Role.CTX, DataOut: Role.CTX, NotifSeen: Role.GEN}
 
@@ -520,7 +524,12 @@ class TransferMachine:
     @property
     def finished(self) -> bool:
         """Every side hosted here is final and reported."""
-        return all(self.side(r).state in FINAL and self.side(r).reported for r in self.here)
+        # a loop, not all() over a generator: asked after nearly every event
+        for r in self.here:
+            s = self.ctx if r is _CTX else self.gen
+            if not (s.state in FINAL and s.reported):
+                return False
+        return True
 
     @property
     def local(self) -> bool:
@@ -640,8 +649,7 @@ class TransferMachine:
     def _effects(self, event: Event, side: SideState, new: State, out: list[Action]) -> None:
         """The bookkeeping of one table transition (counters, deadlines, failures)."""
         role = event.role
-        if isinstance(event, RankRegistered | SideComplete | OfferReceived | DestinationReceived) \
-                and event.deadline < self.deadline:
+        if isinstance(event, _DEADLINE_EVENTS) and event.deadline < self.deadline:
             self.deadline, self.deadline_s = event.deadline, event.deadline_s
         if isinstance(event, SideComplete):
             self.peer_named = self.peer_named or event.peer_named
@@ -690,7 +698,7 @@ class TransferMachine:
                 if not event.writes_stopped:
                     new = _ABORTING
             return self._set(side, new)
-        if isinstance(event, Cancel | Disconnect | LocalFailure):
+        if isinstance(event, _STOP_EVENTS):
             if side.state in FINAL or side.state is _ABORTING:
                 return  # late: the side already ended or is ending
             if isinstance(event, LocalFailure):
