@@ -13,6 +13,8 @@ import struct
 from protocol.errors import FrameTooLarge, ProtocolError
 
 HEADER = struct.Struct(">I")
+_HEADER_SIZE = HEADER.size
+_unpack_from = HEADER.unpack_from
 DEFAULT_MAX_FRAME_SIZE = 16 * 1024 * 1024
 
 
@@ -37,21 +39,35 @@ class FrameBuffer:
         """Add ``data``; return every frame that is now complete (possibly none)."""
         if self._broken:
             raise ProtocolError("frame buffer is broken by an earlier error")
-        self._buf += data
+        # Frames are cut at offsets, and only the tail of an incomplete frame is kept: the
+        # usual batch (a few whole frames in one read, nothing pending) is sliced straight out
+        # of ``data``, one copy per frame, with no append to and delete from the buffer.
+        buf = self._buf
+        if buf:
+            buf += data
+            view: bytes | bytearray = buf
+        else:
+            view = data
         frames: list[bytes] = []
-        while len(self._buf) >= HEADER.size:
-            (length,) = HEADER.unpack_from(self._buf)
+        size = len(view)
+        pos = 0
+        while size - pos >= _HEADER_SIZE:
+            (length,) = _unpack_from(view, pos)
             if length > self.max_frame_size:
                 self._broken = True
-                self._buf.clear()
+                buf.clear()
                 raise FrameTooLarge(
                     f"frame length {length} exceeds the maximum frame size {self.max_frame_size}"
                 )
-            end = HEADER.size + length
-            if len(self._buf) < end:
+            end = pos + _HEADER_SIZE + length
+            if end > size:
                 break
-            frames.append(bytes(self._buf[HEADER.size : end]))
-            del self._buf[:end]
+            frames.append(bytes(view[pos + _HEADER_SIZE : end]))
+            pos = end
+        if view is buf:
+            del buf[:pos]
+        elif pos < size:
+            buf += view[pos:]
         return frames
 
     @property

@@ -38,7 +38,9 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from protocol.errors import (
     LocalProtocolError,
@@ -520,7 +522,12 @@ class TransferMachine:
     @property
     def finished(self) -> bool:
         """Every side hosted here is final and reported."""
-        return all(self.side(r).state in FINAL and self.side(r).reported for r in self.here)
+        # a loop, not all() over a generator: asked after nearly every event
+        for r in self.here:
+            s = self.ctx if r is _CTX else self.gen
+            if not (s.state in FINAL and s.reported):
+                return False
+        return True
 
     @property
     def local(self) -> bool:
@@ -540,7 +547,9 @@ class TransferMachine:
     def handle(self, event: Event | Clock | PeerLost | PeerFenced) -> list[Action]:
         """Apply one event; return the actions to carry out, in order."""
         out: list[Action] = []
-        if isinstance(event, Clock):
+        if isinstance(event, Event):  # first: what nearly every call brings
+            self._apply(event, out)
+        elif isinstance(event, Clock):
             if event.now >= self.deadline:
                 for role in self._hosted():
                     if self.side(role).state not in FINAL and self.side(role).state is not _ABORTING:
@@ -630,75 +639,103 @@ class TransferMachine:
                     f"peer sent {etype.__name__} about the {role.value} side, which this daemon plays"
                 )
             self.talked = True
-        side = self.side(role)
+        side = self.ctx if role is _CTX else self.gen
         new = TRANSITIONS[role][side.state].get(etype)
         if new is None:
             err = LocalProtocolError if hosted else RemoteProtocolError
             raise err(f"{etype.__name__} not allowed while the {role.value} side is {side.state.value}")
-        self._effects(event, side, new, out)
+        _EFFECTS[etype](self, event, side, new, out)
 
     def _effects(self, event: Event, side: SideState, new: State, out: list[Action]) -> None:
-        """The bookkeeping of one table transition (counters, deadlines, failures)."""
-        role = event.role
-        if isinstance(event, RankRegistered | SideComplete | OfferReceived | DestinationReceived) \
-                and event.deadline < self.deadline:
+        """The bookkeeping of one table transition (counters, deadlines, failures), by the
+        event's type (one of :data:`LOCAL_EVENTS` or :data:`REMOTE_EVENTS`: ``_apply``
+        refused any other): one dict lookup instead of a chain of ``isinstance`` tests."""
+        _EFFECTS[type(event)](self, event, side, new, out)
+
+    def _deadline_from(self, event: RankRegistered | SideComplete | OfferReceived | DestinationReceived) -> None:
+        if event.deadline < self.deadline:
             self.deadline, self.deadline_s = event.deadline, event.deadline_s
-        if isinstance(event, SideComplete):
-            self.peer_named = self.peer_named or event.peer_named
-        elif isinstance(event, DestinationReceived):
-            self.dest_out = True
-        elif isinstance(event, PathReceived):
-            if not self.dest_out:
-                raise RemoteProtocolError("ctx announced a path before gen handed out its destination")
-            self.path = event.path
-            if self.gen.state in (_DEST_OUT, _RECEIVING):
-                self.gen.state = _RECEIVING
-                out.append(StartReceive(event.path))
-        elif isinstance(event, PathChosen):
-            self.path = event.path
-            if side.state is _SENDING and _GEN not in self.here:
-                out.append(SendPath(event.path))
-        elif isinstance(event, WritePosted):
-            if side.state is _ABORTING and role is _CTX:
-                raise LocalProtocolError("write posted after the ctx side began aborting")
-            side.in_flight += event.n
-        elif isinstance(event, WriteEnded):
-            if side.in_flight < event.n:
-                raise LocalProtocolError(f"{event.n} writes ended but only {side.in_flight} were in flight")
-            side.in_flight -= event.n
-        elif isinstance(event, NotifSeen):
-            if side.state not in FINAL and side.state is not _ABORTING:
-                self.notifs += 1
-                if event.scatter:
-                    side.in_flight += 1
-        elif isinstance(event, DataOut):
-            if side.in_flight:
-                raise LocalProtocolError(f"data out with {side.in_flight} writes still in flight")
-            self.writes_expected, self.nbytes = event.writes, event.nbytes
-            side.state = _DONE
-            if not self.local:
-                out.append(SendDataDone(event.writes, event.nbytes))
-                self.talked = True
-            self._report(_CTX, out)
-            return
-        elif isinstance(event, DataDoneReceived):
-            if side.state is _SENDING:
-                self.writes_expected, self.nbytes = event.writes, event.nbytes
-        elif isinstance(event, FailReceived):
-            if side.state not in FINAL:
-                side.code, side.message = event.code, event.message
-                if not event.writes_stopped:
-                    new = _ABORTING
-            return self._set(side, new)
-        if isinstance(event, Cancel | Disconnect | LocalFailure):
-            if side.state in FINAL or side.state is _ABORTING:
-                return  # late: the side already ended or is ending
-            if isinstance(event, LocalFailure):
-                self._fail(role, event.code, event.message, out)
-            else:
-                self._fail(role, TransferCancelled.code, event.reason, out)
-            return
+
+    def _on_registered(self, event: RankRegistered | OfferReceived, side: SideState, new: State,
+                       out: list[Action]) -> None:
+        self._deadline_from(event)
         self._set(side, new)
+
+    def _on_side_complete(self, event: SideComplete, side: SideState, new: State, out: list[Action]) -> None:
+        self._deadline_from(event)
+        self.peer_named = self.peer_named or event.peer_named
+        self._set(side, new)
+
+    def _on_destination(self, event: DestinationReceived, side: SideState, new: State, out: list[Action]) -> None:
+        self._deadline_from(event)
+        self.dest_out = True
+        self._set(side, new)
+
+    def _on_path_received(self, event: PathReceived, side: SideState, new: State, out: list[Action]) -> None:
+        if not self.dest_out:
+            raise RemoteProtocolError("ctx announced a path before gen handed out its destination")
+        self.path = event.path
+        if self.gen.state in (_DEST_OUT, _RECEIVING):
+            self.gen.state = _RECEIVING
+            out.append(StartReceive(event.path))
+        self._set(side, new)
+
+    def _on_path_chosen(self, event: PathChosen, side: SideState, new: State, out: list[Action]) -> None:
+        self.path = event.path
+        if side.state is _SENDING and _GEN not in self.here:
+            out.append(SendPath(event.path))
+        self._set(side, new)
+
+    def _on_write_posted(self, event: WritePosted, side: SideState, new: State, out: list[Action]) -> None:
+        if side.state is _ABORTING and event.role is _CTX:
+            raise LocalProtocolError("write posted after the ctx side began aborting")
+        side.in_flight += event.n
+        self._set(side, new)
+
+    def _on_write_ended(self, event: WriteEnded, side: SideState, new: State, out: list[Action]) -> None:
+        if side.in_flight < event.n:
+            raise LocalProtocolError(f"{event.n} writes ended but only {side.in_flight} were in flight")
+        side.in_flight -= event.n
+        self._set(side, new)
+
+    def _on_notif_seen(self, event: NotifSeen, side: SideState, new: State, out: list[Action]) -> None:
+        if side.state not in FINAL and side.state is not _ABORTING:
+            self.notifs += 1
+            if event.scatter:
+                side.in_flight += 1
+        self._set(side, new)
+
+    def _on_data_out(self, event: DataOut, side: SideState, new: State, out: list[Action]) -> None:
+        if side.in_flight:
+            raise LocalProtocolError(f"data out with {side.in_flight} writes still in flight")
+        self.writes_expected, self.nbytes = event.writes, event.nbytes
+        side.state = _DONE
+        if not self.local:
+            out.append(SendDataDone(event.writes, event.nbytes))
+            self.talked = True
+        self._report(_CTX, out)
+
+    def _on_data_done_received(self, event: DataDoneReceived, side: SideState, new: State,
+                               out: list[Action]) -> None:
+        if side.state is _SENDING:
+            self.writes_expected, self.nbytes = event.writes, event.nbytes
+        self._set(side, new)
+
+    def _on_fail_received(self, event: FailReceived, side: SideState, new: State, out: list[Action]) -> None:
+        if side.state not in FINAL:
+            side.code, side.message = event.code, event.message
+            if not event.writes_stopped:
+                new = _ABORTING
+        self._set(side, new)
+
+    def _on_stop(self, event: Cancel | Disconnect | LocalFailure, side: SideState, new: State,
+                 out: list[Action]) -> None:
+        if side.state in FINAL or side.state is _ABORTING:
+            return  # late: the side already ended or is ending
+        if isinstance(event, LocalFailure):
+            self._fail(event.role, event.code, event.message, out)
+        else:
+            self._fail(event.role, TransferCancelled.code, event.reason, out)
 
     @staticmethod
     def _set(side: SideState, new: State) -> None:
@@ -810,6 +847,26 @@ class TransferMachine:
             return True
         return False
 
+
+#: What each event does besides its table transition (:meth:`TransferMachine._effects`).
+_EFFECTS: dict[type[Event], Callable[[TransferMachine, Any, SideState, State, list[Action]], None]] = {
+    RankRegistered: TransferMachine._on_registered,
+    OfferReceived: TransferMachine._on_registered,
+    SideComplete: TransferMachine._on_side_complete,
+    DestinationReceived: TransferMachine._on_destination,
+    PathReceived: TransferMachine._on_path_received,
+    PathChosen: TransferMachine._on_path_chosen,
+    WritePosted: TransferMachine._on_write_posted,
+    WriteEnded: TransferMachine._on_write_ended,
+    NotifSeen: TransferMachine._on_notif_seen,
+    DataOut: TransferMachine._on_data_out,
+    DataDoneReceived: TransferMachine._on_data_done_received,
+    FailReceived: TransferMachine._on_fail_received,
+    Cancel: TransferMachine._on_stop,
+    Disconnect: TransferMachine._on_stop,
+    LocalFailure: TransferMachine._on_stop,
+}
+assert set(_EFFECTS) == LOCAL_EVENTS | set(REMOTE_EVENTS), "every event needs its effects"
 
 def mermaid(role: Role) -> str:
     """The state graph of ``role`` as a mermaid ``stateDiagram-v2``, drawn from :data:`TRANSITIONS`

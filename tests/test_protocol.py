@@ -311,6 +311,18 @@ def test_split_at_every_boundary(cut: int) -> None:
     assert buf.feed(stream[cut:]) == [b"0123456789", b"xy"]
 
 
+@pytest.mark.parametrize("cut", [14, 15, 17, 19])
+def test_whole_frames_then_a_partial_one_keep_its_tail(cut: int) -> None:
+    """Nothing pending: the whole frames of a read are cut from it and only the partial
+    frame after them is buffered, then completed by the next read."""
+    stream = frame(b"0123456789") + frame(b"xyz") + frame(b"")
+    buf = FrameBuffer()
+    assert buf.feed(stream[:cut]) == [b"0123456789"]
+    assert buf.pending == cut - 14
+    assert buf.feed(stream[cut:]) == [b"xyz", b""]
+    assert buf.pending == 0
+
+
 def test_oversize_length_prefix_raises_before_buffering() -> None:
     buf = FrameBuffer(max_frame_size=1024)
     # Only the header has arrived: the announced length alone must be refused.

@@ -55,6 +55,9 @@ REFUSE_LINGER_S = 1.0
 REFUSE_LINGER_BYTES = 4 << 20
 #: Replies may always be this large, whatever ``max_frame_size`` (stats, pool lists).
 REPLY_FLOOR = 1 << 20
+#: The registrations, which a wait may follow in the same read (a tuple: ``A | B`` in an
+#: ``isinstance`` builds a union object on every call).
+_REGISTRATIONS = (m.Publish, m.Expect)
 
 
 @dataclass(eq=False)
@@ -96,6 +99,7 @@ class SessionConnection:
         # step of whoever reported the request and leave the rest to a task (kvd.executor.waits)
         self._send_lock = trio.Semaphore(1)
         self._frames = FrameBuffer(daemon.config.limits.max_frame_size)
+        self._reply_limit = min(max(daemon.config.limits.max_frame_size, REPLY_FLOOR), DEFAULT_MAX_FRAME_SIZE)
         # replies held by cork() until the reply it waits for (or flush()): a registration
         # sent with its wait gets both replies in one write (one syscall here, one wake-up of
         # the executor); what their sends would have run after the registration's reply waits
@@ -106,14 +110,15 @@ class SessionConnection:
 
     @property
     def reply_limit(self) -> int:
-        """Largest reply frame: ``max_frame_size`` (at least 1 MiB), at most what clients read."""
-        return min(max(self.daemon.config.limits.max_frame_size, REPLY_FLOOR), DEFAULT_MAX_FRAME_SIZE)
+        """Largest reply frame: ``max_frame_size`` (at least 1 MiB), at most what clients read
+        (the daemon's configuration does not change while it runs: worked out once)."""
+        return self._reply_limit
 
     def _encode(self, msg: m.Message) -> tuple[bytes, bool]:
         """The reply's frame, and whether it is the frame of ``msg`` itself: a reply too large
         for one frame becomes a ``reply_too_large`` error (the session goes on)."""
         try:
-            return encode(msg, self.reply_limit), True
+            return encode(msg, self._reply_limit), True
         except FrameTooLarge as exc:
             err = ReplyTooLarge(
                 f"the {type(msg).__name__} reply does not fit in one frame ({exc.message}); "
@@ -460,7 +465,7 @@ async def _serve_session(daemon: Daemon, conn: SessionConnection, first: list[by
                         await conn.send_error(msg.id, ProtocolError("Hello sent twice"))
                         continue
                     mark("session.request", type(msg).__name__)
-                    if isinstance(msg, m.Publish | m.Expect) and i + 1 < len(frames):
+                    if isinstance(msg, _REGISTRATIONS) and i + 1 < len(frames):
                         ahead = _wait_for(msg.request_id, frames[i + 1])
                         if ahead is not None:
                             # registration and wait sent together (publish_and_wait): the wait

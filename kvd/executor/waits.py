@@ -113,7 +113,10 @@ class Waits:
     # -- timeouts ------------------------------------------------------------------------------
     def _arm(self, deadline: float) -> None:
         if self._timer is not None:
-            self._timer.deadline = min(self._timer.deadline, deadline)
+            # only an earlier deadline moves the sleep: trio's deadline setter is a context
+            # manager and a deadline heap update (~130 bytecodes), the usual later one needs none
+            if deadline < self._timer.deadline:
+                self._timer.deadline = deadline
         elif not self._timer_started and not self._closed:
             self._timer_started = True
             self._nursery.start_soon(self._expire)

@@ -59,6 +59,10 @@ if TYPE_CHECKING:
 log = structlog.get_logger("kvd.transfer")
 
 _ROLE = {f.Role.CTX: "ctx", f.Role.GEN: "gen"}
+# the roles and states registration tests, as module constants (an enum member fetched through
+# the module and its class is two Python-level attribute lookups per use)
+_CTX, _GEN = f.Role.CTX, f.Role.GEN
+_IDLE, _REGISTERING = f.State.IDLE, f.State.REGISTERING
 #: How long a request that ended before all its ranks registered is remembered after its last
 #: executor let go: a late rank is told how it ended instead of starting a new request.
 TOMBSTONE_S = 10.0
@@ -248,32 +252,36 @@ class Engine:
 
     async def register(self, session: Session, msg: m.Expect | m.Publish) -> None:
         """Add one rank's registration; raises (changing nothing) when it is refused."""
-        role = f.Role.GEN if isinstance(msg, m.Expect) else f.Role.CTX
+        role = _GEN if isinstance(msg, m.Expect) else _CTX
         rid = msg.request_id
         pool = self.daemon.pool(msg.pool)
         deadline_s = msg.deadline_s if msg.deadline_s is not None else self.cfg.deadline_s
         if not deadline_s > 0 or not math.isfinite(deadline_s):
             raise BadRequest(f"request {rid!r}: deadline_s must be positive and finite, got {deadline_s}")
-        if role is f.Role.CTX and not msg.peer:
+        if role is _CTX and not msg.peer:
             raise BadRequest(f"request {rid!r}: publish needs the gen peer's node name")
         pool.blocks.check_leased(session.id, msg.block_ids)  # the caller's own mistakes first
         self._check_peer(msg.peer)
         key_peer, t = self._find(role, rid, msg.peer)
-        earlier = self._by_session.get(session.id, {}).get(rid)
+        mine = self._by_session.get(session.id)
+        earlier = mine.get(rid) if mine is not None else None
         if earlier is not None and earlier is not t:
             raise DuplicateRequest(f"request {rid!r}: this session registered it already, with another peer "
                                    f"({earlier.peer or 'none yet'}); its wait and cancel name one request")
         if t is not None:
-            st = t.machine.state(role)
+            machine = t.machine
+            side_state = machine.ctx if role is _CTX else machine.gen
+            st = side_state.state
             if st is f.State.FAILED:
-                side_state = t.machine.side(role)
                 raise error_from_code(side_state.code, f"request {rid!r} already failed: {side_state.message}")
-            if t.finished.is_set() or st not in (f.State.IDLE, f.State.REGISTERING):
+            if t.finished.is_set() or (st is not _IDLE and st is not _REGISTERING):
                 raise DuplicateRequest(f"request {rid!r} ({_ROLE[role]}) is already registered or ran; "
                                        "use a new request id")
-            if role not in t.machine.here and (t.machine.talked or t.machine.state(role) is not f.State.IDLE):
+            if role not in machine.here and (machine.talked or st is not _IDLE):
                 raise DuplicateRequest(f"request {rid!r}: the {_ROLE[role]} side is played by peer {t.peer}")
-        busy = self._busy.setdefault(pool.name, {})
+        busy = self._busy.get(pool.name)
+        if busy is None:
+            busy = self._busy[pool.name] = {}
         if not busy.keys().isdisjoint(msg.block_ids):
             for b in msg.block_ids:
                 holder = busy.get(b)
@@ -285,7 +293,7 @@ class Engine:
                                 _ROLE[role], deadline)  # type: ignore[arg-type]
         if t is None:
             # ctx and gen on this daemon: one machine plays both sides (the local path)
-            t = self._start(rid, key_peer, {f.Role.CTX, f.Role.GEN} if key_peer == self.node else {role})
+            t = self._start(rid, key_peer, {_CTX, _GEN} if key_peer == self.node else {role})
         elif role not in t.machine.here:
             try:
                 t.machine.host(role)
@@ -299,12 +307,13 @@ class Engine:
         complete = side.complete
         if complete:
             side.complete_at = time.monotonic()
-        event: f.Event = (f.SideComplete(role, deadline=deadline, deadline_s=deadline_s, peer_named=role is f.Role.GEN
+        event: f.Event = (f.SideComplete(role, deadline=deadline, deadline_s=deadline_s, peer_named=role is _GEN
                                          and bool(msg.peer) and msg.peer != self.node)
                           if complete else f.RankRegistered(role, deadline=deadline, deadline_s=deadline_s))
         busy.update(dict.fromkeys(msg.block_ids, t))
         session.requests.add(rid)
-        mine = self._by_session.setdefault(session.id, {})
+        if mine is None:
+            mine = self._by_session[session.id] = {}
         mine[rid] = t
         if len(mine) > MAX_UNCOLLECTED:  # a session that never waits: forget its oldest ended ones
             for old in list(mine.values())[: len(mine) - MAX_UNCOLLECTED]:

@@ -844,23 +844,22 @@ class Transfer:
     def _start_send_now(self) -> None:
         if self.machine.state(f.Role.CTX) is not f.State.SENDING:
             return  # failed or cancelled before it started: nothing was written, nothing will be
-        links = self.env.links()
-        link = links.links.get(self.peer) if links is not None else None
+        link = self._link()
         if link is not None:
             # the path message and, when the data is out in this step, the data-done message
             # go to the peer in one write: one wake-up of the peer, not two (written before
             # the side reports: see _act_local)
             link.cork()
             self._corked = link
-        try:
-            if self._send_now():
+            try:
+                if self._send_now(link):
+                    return
+            except Exception as exc:  # as in a task: the machine hears of it (once), the caller goes on
+                with structlog.contextvars.bound_contextvars(request_id=self.request_id):
+                    self._fail_task(f.Role.CTX, exc)
                 return
-        except Exception as exc:  # as in a task: the machine hears of it (once), the caller goes on
-            with structlog.contextvars.bound_contextvars(request_id=self.request_id):
-                self._fail_task(f.Role.CTX, exc)
-            return
-        finally:
-            self._uncork()
+            finally:
+                self._uncork()
         self._start(self._send_task)
 
     def _uncork(self) -> None:
@@ -869,16 +868,22 @@ class Transfer:
         if link is not None:
             link.uncork()
 
-    def _send_started(self) -> tuple[Side, PeerLink]:
-        side = self.sides[f.Role.CTX]
-        side.started = time.monotonic()
-        if side.complete_at:  # from the last registration to the data path's start
-            side.stages["queued"] = round(side.started - side.complete_at, 6)
-        side.state = "planning"
+    def _link(self) -> PeerLink | None:
+        """The link to the peer, if it is up."""
         links = self.env.links()
-        link = links.links.get(self.peer) if links is not None else None
+        return links.links.get(self.peer) if links is not None else None
+
+    def _send_started(self, link: PeerLink | None = None) -> tuple[Side, PeerLink]:
+        """The ctx side's data path starts (over ``link``, when the caller found it up already)."""
+        side = self.sides[f.Role.CTX]
+        side.started = started = time.monotonic()
+        if side.complete_at:  # from the last registration to the data path's start
+            side.stages["queued"] = round(started - side.complete_at, 6)
+        side.state = "planning"
         if link is None:
-            raise PeerUnavailable(f"request {self.request_id!r}: link to peer {self.peer} is down")
+            link = self._link()
+            if link is None:
+                raise PeerUnavailable(f"request {self.request_id!r}: link to peer {self.peer} is down")
         return side, link
 
     def _send_job(self, side: Side, link: PeerLink, p: Plan) -> Job:
@@ -894,24 +899,27 @@ class Transfer:
         side.mark("data_out")
         self.feed(f.DataOut(f.Role.CTX, sent.writes, sent.nbytes))
 
-    def _send_now(self) -> bool:
+    def _send_now(self, link: PeerLink) -> bool:
         """The ctx data path in this step if it takes no waiting; False (nothing done) if not."""
         side = self.sides.get(f.Role.CTX)
-        links = self.env.links()
-        link = links.links.get(self.peer) if links is not None else None
-        if side is None or link is None or self._plan is not None:
+        if side is None or self._plan is not None:
             return False
         maps = self._mapped_dst(link)
-        blocks = sum(len(p.block_ids) for p in side.parts.values()) + sum(map(len, self.remote.blocks.values()))
-        if maps is None or blocks > INLINE_PLAN_BLOCKS:
+        if maps is None:
             return False
-        side, link = self._send_started()
+        blocks = sum(map(len, self.remote.blocks.values()))
+        for part in side.parts.values():
+            blocks += len(part.block_ids)
+        if blocks > INLINE_PLAN_BLOCKS:
+            return False
+        side, link = self._send_started(link)
         gen_blocks = self.remote.checked or self.remote.blocks  # checked when announced
         self._plan = p = plan(side.layout, self._remote_layout(), side.blocks_by_rank(), gen_blocks)
+        total = p.total_bytes()
         for s in self.sides.values():
-            s.bytes_total = p.total_bytes()
+            s.bytes_total = total
         job = self._send_job(side, link, p)
-        if not set(p.dst_ranks()) <= set(maps):
+        if not maps.keys() >= set(p.dst_ranks()):
             return self._send_rest_as_task(job, link, p)  # the path is chosen there, as always
         if any(part.pool.device >= 0 for part in side.parts.values()):
             return self._launch_now(job, link, p, maps)
@@ -966,11 +974,16 @@ class Transfer:
 
     def _mapped_dst(self, link: PeerLink) -> dict[int, Any] | None:
         """gen rank -> the peer's pool as mapped here, when every announced pool is; else None."""
-        names = self.remote.pool_names
-        maps = {r: link.mapped.get(name) for r, name in names.items()}
-        if not maps or any(v is None for v in maps.values()):
-            return None
-        return maps
+        mapped = link.mapped
+        if not mapped:
+            return None  # not on this node (or not mapped): the usual case off the mapped path
+        maps: dict[int, Any] = {}
+        for r, name in self.remote.pool_names.items():
+            view = mapped.get(name)
+            if view is None:
+                return None
+            maps[r] = view
+        return maps or None
 
     async def _send_task(self) -> None:
         async def body() -> None:
