@@ -56,7 +56,8 @@ def run_row(blocks: int, shuffled: bool, repeat: int, copy_engine: bool, cpu: bo
                     if not (c.ok and gen.wait(rid, timeout_s=120).ok):
                         raise RuntimeError(f"request {rid} failed: {c.error_message}")
                     path = c.path
-            done = [json.loads(line) for line in ctx_d.log().splitlines() if '"transfer.done"' in line][1:]
+            # the daemon logs transfer.done after its completion reply: wait for the last one
+            done = ctx_d.logged("transfer.done", repeat + 1)[1:]
         finally:
             ctx_d.stop()
             gen_d.stop()

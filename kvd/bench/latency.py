@@ -223,6 +223,8 @@ def run(workdir: Path, sizes: list[int], repeat: int, *, mapped: bool, memory: s
                                  "ctx_p50_s": _pct(ctx_walls, 0.5), "rids": rids})
             finally:
                 ex.close()
+        if rows and rows[-1]["rids"]:  # logged after its completion reply: wait for the last one
+            ctx_d.logged("transfer.done", request_id=rows[-1]["rids"][-1])
         lines = _done_lines(ctx_d)
         for row in rows:
             recs = [lines[r] for r in row.pop("rids") if r in lines]

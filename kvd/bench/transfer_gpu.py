@@ -190,6 +190,7 @@ def _e2e(workdir: Path, max_blocks: int, sizes: list[int], repeat: int, mapped: 
 
 def _e2e_size(ctx_d: Any, gen_d: Any, n: int, repeat: int, shuffled: bool) -> dict[str, Any]:
     """One request size end to end: a warm-up, then ``repeat`` timed requests (best and median)."""
+    before = len(ctx_d.logged("transfer.done", 0))  # every earlier request's line is in (waited below)
     scenario = Scenario(ctx_d, gen_d, n, shuffle=shuffled)
     try:
         results, walls, ok = scenario.timed(repeat)
@@ -197,7 +198,8 @@ def _e2e_size(ctx_d: Any, gen_d: Any, n: int, repeat: int, shuffled: bool) -> di
     finally:
         scenario.close()
     c = results["ctx0"]
-    done_lines = [json.loads(line) for line in ctx_d.log().splitlines() if '"transfer.done"' in line]
+    # the last request's own line: the daemon logs it after its completion reply
+    done_lines = ctx_d.logged("transfer.done", before + scenario.count)
     stages = done_lines[-1].get("stages") if done_lines else None
     rtt = done_lines[-1].get("round_trips") if done_lines else None
     return {"stages": stages, "round_trips": rtt, "bytes": c.bytes, "path": c.path, "chunks": c.chunks,

@@ -65,6 +65,29 @@ class DaemonProcess:
     def log(self) -> str:
         return Path(self.log_path).read_text(errors="replace")
 
+    def logged(self, event: str, count: int = 1, timeout: float = 30.0,
+               **fields: object) -> list[dict[str, Any]]:
+        """The daemon's JSON log records of ``event`` (with every key of ``fields`` equal to its
+        value) once there are at least ``count`` of them.
+
+        A daemon answers its executors before it logs the request's outcome
+        (``transfer.done`` follows the completion reply), so a caller that has its replies
+        reads the log through this, never right away. Raises :class:`LaunchError` after
+        ``timeout`` seconds, or at once if the daemon exited with fewer."""
+        needle = f'"{event}"'
+        t_end = time.monotonic() + timeout
+        while True:
+            exited = self.proc.poll() is not None  # read after: the last lines are written by then
+            recs = [r for r in (msgspec.json.decode(line) for line in self.log().splitlines()
+                                if needle in line and line.startswith("{"))
+                    if isinstance(r, dict) and r.get("event") == event
+                    and all(r.get(k) == v for k, v in fields.items())]
+            if len(recs) >= count:
+                return recs
+            if exited or time.monotonic() > t_end:
+                raise LaunchError(f"{self.config_path}: {len(recs)} {event} lines logged, {count} expected")
+            time.sleep(0.005)
+
     def stop(self, timeout: float = 20.0) -> int:
         """SIGTERM, wait, SIGKILL if needed; returns the exit code."""
         if self.proc.poll() is None:
