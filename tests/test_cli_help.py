@@ -20,6 +20,7 @@ import kvd.bench.bounce_host
 import kvd.bench.copy_engines
 import kvd.bench.ipc
 import kvd.bench.latency_ab
+import kvd.bench.launch_cost
 import kvd.bench.layouts
 import kvd.bench.rawnixl
 import kvd.bench.regroup
@@ -47,6 +48,7 @@ PARSERS: dict[str, Callable[[], argparse.ArgumentParser]] = {
     "python -m kvd.bench.copy_engines": kvd.bench.copy_engines.build_parser,
     "python -m kvd.bench.bounce_host": kvd.bench.bounce_host.build_parser,
     "python -m kvd.bench.latency_ab": kvd.bench.latency_ab.build_parser,
+    "python -m kvd.bench.launch_cost": kvd.bench.launch_cost.build_parser,
     "python -m kvd.bench.timeline": kvd.bench.timeline.build_parser,
     "kvctl": clients.kvctl.build_parser,
     "python -m kvd.demo.connector": kvd.demo.connector.build_parser,
@@ -55,7 +57,7 @@ PARSERS: dict[str, Callable[[], argparse.ArgumentParser]] = {
 MODULES = {"kvd/cli.py", "kvd/demo/pair.py", "kvd/demo/model/cli.py", "kvd/bench/ipc.py", "kvd/bench/regroup.py",
            "kvd/bench/transfer.py", "kvd/bench/transfer_gpu.py", "kvd/bench/layouts.py", "kvd/bench/rawnixl.py", "clients/kvctl.py",
            "kvd/bench/copy_engines.py", "kvd/bench/bounce_host.py", "kvd/demo/connector.py",
-           "kvd/bench/latency_ab.py", "kvd/bench/timeline.py"}
+           "kvd/bench/latency_ab.py", "kvd/bench/timeline.py", "kvd/bench/launch_cost.py"}
 #: reStructuredText that means nothing on a terminal
 RST = re.compile(r"``|:(?:class|func|mod|meth|data|attr):`")
 

@@ -105,3 +105,13 @@ def test_cache_dir_defaults(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> 
     assert kernel.cache_dir() == tmp_path / "kvd"
     monkeypatch.delenv("XDG_CACHE_HOME")
     assert kernel.cache_dir() == Path.home() / ".cache" / "kvd"
+
+
+def test_the_small_table_parameter_is_the_size_the_host_packs() -> None:
+    """The CUDA source and the host agree on the small launch's table: SMALL_WORDS int64 words
+    after the pair count, 4096 bytes in all (the kernel-parameter limit every driver takes)."""
+    import re
+
+    m = re.search(r"#define SMALL_WORDS (\d+)", kernel.SOURCE)
+    assert m is not None and int(m.group(1)) == kernel.SMALL_WORDS
+    assert (kernel.SMALL_WORDS + 1) * 8 == 4096

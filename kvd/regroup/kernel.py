@@ -23,7 +23,9 @@ enabled on first use; memory mapped over CUDA IPC / VMM is addressable as it is)
 
 If cuda-python, NVRTC or the compile is missing or fails, :func:`kernel_for` returns None and
 logs ``regroup.kernel_unavailable`` once per device with the reason, and callers use the torch
-path. ``KVD_KERNEL=0`` turns the kernel off; ``KVD_KERNEL_ARCH=sm_XY`` overrides the arch.
+path. ``KVD_KERNEL=0`` turns the kernel off; ``KVD_KERNEL_ARCH=sm_XY`` overrides the arch;
+``KVD_KERNEL_PARAM_TABLES=1`` sends small launch tables as the kernel's parameter
+(:data:`PARAM_TABLES`).
 """
 
 from __future__ import annotations
@@ -70,6 +72,18 @@ THREADS = 256
 TILE_BYTES = 16 << 10
 #: Bytes of launch tables a device's table pool keeps between launches.
 TABLE_POOL_KEEP = 64 << 20
+#: A launch table of at most this many int64 words can go as the kernel's parameter
+#: (``kvd_regroup_small``, 4 KiB with its pair count) instead of through device memory: no
+#: allocation, host-to-device copy and free per launch. Measured on the H200 host (a probe of
+#: the driver calls alone): after 2 ms without a launch, as between a daemon's requests, those
+#: three calls took ~38 us (~7 us back to back), of a launch's ~140 us of host time.
+SMALL_WORDS = 511
+ENV_PARAM_TABLES = "KVD_KERNEL_PARAM_TABLES"
+#: Whether small tables go as the parameter (``KVD_KERNEL_PARAM_TABLES=1``). Off by default:
+#: the parameter kernel has been compiled (the CPU tests compile it with NVRTC) but not yet run
+#: on a GPU; tests/gpu/test_regroup_kernel.py runs every layout kind both ways, and it becomes
+#: the default once those pass on one.
+PARAM_TABLES = os.environ.get(ENV_PARAM_TABLES, "").strip().lower() in ("1", "on", "true", "yes")
 
 # Descriptor fields (int64 each), one record of NF per pair.
 NF = 36
@@ -101,9 +115,9 @@ __device__ __forceinline__ void copy_units(const char* __restrict__ s, char* __r
   for (; k < k1; k += g) dv[k] = sv[k];
 }
 
-// 6 blocks an SM: 40 registers, no spills (80 without the bound: 3 blocks an SM).
-extern "C" __global__ void __launch_bounds__(256, 6)
-kvd_regroup(const i64* __restrict__ desc, const i64* __restrict__ tab, int npairs) {
+// One tile of a launch: the descriptors of its npairs pairs at desc, their block tables at tab.
+__device__ __forceinline__ void regroup_tile(const i64* __restrict__ desc, const i64* __restrict__ tab,
+                                             int npairs) {
   __shared__ i64 D[NF];
   const i64 tile = (i64)blockIdx.x + (i64)blockIdx.y * gridDim.x;
   // The pair this tile belongs to: the last one whose first tile is <= tile.
@@ -165,6 +179,23 @@ kvd_regroup(const i64* __restrict__ desc, const i64* __restrict__ tab, int npair
       default: copy_units<unsigned char>(s, d, k0, k1, lane, G); break;
     }
   }
+}
+
+// 6 blocks an SM: 40 registers, no spills (80 without the bound: 3 blocks an SM).
+extern "C" __global__ void __launch_bounds__(256, 6)
+kvd_regroup(const i64* __restrict__ desc, const i64* __restrict__ tab, int npairs) {
+  regroup_tile(desc, tab, npairs);
+}
+
+// A small launch's whole table travels as the kernel's parameter (4 KiB, the classic limit):
+// no device memory, no host-to-device copy. The threads read it where it lies (param space,
+// through the constant cache).
+#define SMALL_WORDS 511
+struct SmallTable { i64 npairs; i64 w[SMALL_WORDS]; };
+
+extern "C" __global__ void __launch_bounds__(256, 6)
+kvd_regroup_small(const __grid_constant__ SmallTable t) {
+  regroup_tile(t.w, t.w + t.npairs * NF, (int)t.npairs);
 }
 """
 
@@ -343,6 +374,8 @@ class RegroupKernel:
         try:
             self._module = _check(cu.cuModuleLoadData(data), "cuModuleLoadData")
             self._func = _check(cu.cuModuleGetFunction(self._module, b"kvd_regroup"), "cuModuleGetFunction")
+            self._func_small = _check(cu.cuModuleGetFunction(self._module, b"kvd_regroup_small"),
+                                      "cuModuleGetFunction")
         finally:
             cu.cuCtxPopCurrent()
         self._peers: dict[int, bool] = {}
@@ -356,6 +389,10 @@ class RegroupKernel:
         base = self._argvals.__array_interface__["data"][0]
         self._argptrs = np.array([base, base + 8, base + 16], dtype=np.uint64)
         self._argptrs_addr = int(self._argptrs.__array_interface__["data"][0])
+        # the small kernel's one parameter (pair count, then the table), likewise built once
+        self._small = np.zeros(SMALL_WORDS + 1, dtype=np.int64)
+        self._small_ptrs = np.array([self._small.__array_interface__["data"][0]], dtype=np.uint64)
+        self._small_ptrs_addr = int(self._small_ptrs.__array_interface__["data"][0])
         self._args_lock = threading.Lock()
         #: completed events, recorded again by later launches (no create/destroy per launch)
         self._events: list[Any] = []
@@ -414,24 +451,47 @@ class RegroupKernel:
                 self._peers[peer] = ok
             return ok
 
-    def run(self, table: npt.NDArray[np.int64], npairs: int, ntiles: int, stream: int) -> DriverEvent:
+    def run(self, table: npt.NDArray[np.int64], npairs: int, ntiles: int, stream: int, *,
+            small: bool | None = None) -> DriverEvent:
         """Enqueue one launch on the CUDA stream handle ``stream`` (an int, as torch's
-        ``Stream.cuda_stream``): the table goes to stream-ordered device memory
-        (``cuMemAllocFromPoolAsync`` from a pool of our own, one host-to-device copy from pageable memory, which returns once
-        the bytes are staged), the kernel runs over ``ntiles`` tiles, the table is freed after it
-        on the same stream; returns an event recorded after the launch. Plain driver calls: a
-        few microseconds of host time in all."""
+        ``Stream.cuda_stream``) over ``ntiles`` tiles; returns an event recorded after it.
+
+        With :data:`PARAM_TABLES`, a table of at most :data:`SMALL_WORDS` words is the
+        launch's parameter (the driver copies it with the launch: two driver calls in all).
+        Otherwise the table goes to stream-ordered device memory (``cuMemAllocFromPoolAsync``
+        from a pool of our own, one host-to-device copy from a page-locked slot, freed after
+        the kernel on the same stream). ``small`` forces one way (tests); a table too large for
+        the parameter is a :class:`KernelError` then."""
+        if table.dtype != np.int64 or not table.flags.c_contiguous:
+            raise KernelError("a launch table is a contiguous int64 array")
+        if small is None:
+            small = PARAM_TABLES and table.size <= SMALL_WORDS
+        elif small and table.size > SMALL_WORDS:
+            raise KernelError(f"a launch table of {table.size} words does not fit the {SMALL_WORDS}-word parameter")
         cu = _driver()
         hs = cu.CUstream(stream)
         _check(cu.cuCtxPushCurrent(self.ctx), "cuCtxPushCurrent")
         try:
+            if small:
+                return self._enqueue_small(cu, table, npairs, ntiles, hs)
             return self._enqueue(cu, table, npairs, ntiles, hs)
         finally:
             cu.cuCtxPopCurrent()
 
+    def _enqueue_small(self, cu: Any, table: npt.NDArray[np.int64], npairs: int, ntiles: int,
+                       hs: Any) -> DriverEvent:
+        if ntiles > 0:
+            gx = min(ntiles, 1 << 30)
+            gy = -(-ntiles // gx)
+            with self._args_lock:  # cuLaunchKernel copies the parameter before it returns
+                buf = self._small
+                buf[0] = npairs
+                buf[1 : 1 + table.size] = table
+                _check(cu.cuLaunchKernel(self._func_small, gx, gy, 1, THREADS, 1, 1, 0, hs, self._small_ptrs_addr, 0),
+                       "cuLaunchKernel")
+        return DriverEvent(self.ctx, hs, self._events)
+
     def _enqueue(self, cu: Any, table: npt.NDArray[np.int64], npairs: int, ntiles: int, hs: Any) -> DriverEvent:
-        if table.dtype != np.int64 or not table.flags.c_contiguous:
-            raise KernelError("a launch table is a contiguous int64 array")
         nbytes = table.nbytes
         slot = self._pinned.take(table) if self._pinned is not None else None
         host = slot[1] if slot is not None else table.__array_interface__["data"][0]

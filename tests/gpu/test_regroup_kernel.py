@@ -39,6 +39,15 @@ PLACES = ["cuda:0>cuda:0", pytest.param("cuda:0>cuda:1", marks=TWO)]
 POOL_PLACES = [*PLACES, pytest.param("cuda:0>cuda:1>pull", marks=TWO)]
 
 
+#: how a launch's table reaches the kernel: as its parameter (tables up to kernel.SMALL_WORDS
+#: words, with kernel.PARAM_TABLES on) or through device memory (every table, PARAM_TABLES off)
+TABLE_PATHS = ["param", "device"]
+
+
+def table_path(monkeypatch: pytest.MonkeyPatch, how: str) -> None:
+    monkeypatch.setattr(kernel, "PARAM_TABLES", how == "param")
+
+
 @pytest.fixture(autouse=True)
 def kernel_cache(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     monkeypatch.setenv(kernel.ENV_CACHE, str(tmp_path_factory.getbasetemp() / "kvd-kernel-cache"))
@@ -60,10 +69,12 @@ def test_kernel_compiles_and_loads_on_every_gpu() -> None:
         assert k.arch.startswith("sm_")
 
 
+@pytest.mark.parametrize("how", TABLE_PATHS)
 @pytest.mark.parametrize("place", POOL_PLACES)
 @pytest.mark.parametrize("tile_bytes", [256, kernel.TILE_BYTES])
 @pytest.mark.parametrize("kind", sorted(KINDS))
-def test_kernel_pool_to_pool(kind: str, tile_bytes: int, place: str) -> None:
+def test_kernel_pool_to_pool(kind: str, tile_bytes: int, place: str, how: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    table_path(monkeypatch, how)
     sdev, ddev, *pull = place.split(">")
     where: rg.LaunchOn = "dst" if pull else "src"
     p, src, want = build(kind, seed=2)
@@ -80,11 +91,13 @@ def test_kernel_pool_to_pool(kind: str, tile_bytes: int, place: str) -> None:
         assert np.array_equal(src_t[r].cpu().numpy(), a.reshape(-1)), "source modified"
 
 
+@pytest.mark.parametrize("how", TABLE_PATHS)
 @pytest.mark.parametrize("place", PLACES)
 @pytest.mark.parametrize("kind", sorted(KINDS))
-def test_kernel_gather_scatter_chunks(kind: str, place: str) -> None:
+def test_kernel_gather_scatter_chunks(kind: str, place: str, how: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Gather on the source GPU into staging on the destination GPU, scatter there; chunks cut
     runs; odd chunks and a staging pointer one byte off force narrow accesses."""
+    table_path(monkeypatch, how)
     sdev, ddev = place.split(">")
     p, src, want = build(kind, seed=3)
     src_t = to_dev(src, sdev)
@@ -215,3 +228,54 @@ def test_chunk_templates_serve_every_request_of_a_shape() -> None:
             rg.scatter_chunk(p, c.src, c.dst, staging, got[c.dst], offset=c.offset, nbytes=c.nbytes).wait()
         for r in got:
             assert torch.equal(got[r], ref[r]), r
+
+
+def _gpt_oss_launch(blocks: int) -> tuple[Plan, torch.Tensor, dict[int, torch.Tensor], dict[int, torch.Tensor]]:
+    geo = {"num_layers": 36, "num_kv_heads": 8, "head_dim": 64, "tokens_per_block": 32, "dtype": "bfloat16"}
+    ctx, gen = KVLayout(**geo, num_blocks=64), KVLayout(**geo, tp_size=4, num_blocks=64)
+    rng = np.random.default_rng(blocks)
+    p = plan(ctx, gen, {0: rng.permutation(64)[:blocks]}, {r: rng.permutation(64)[:blocks] for r in range(4)})
+    src = torch.randint(0, 256, (ctx.pool_bytes(0),), dtype=torch.uint8, device="cuda:0")
+    got = {r: torch.full((gen.pool_bytes(r),), SENTINEL, dtype=torch.uint8, device="cuda:0") for r in range(4)}
+    ref = {r: t.clone() for r, t in got.items()}
+    p.apply({0: src}, ref)
+    return p, src, got, ref
+
+
+@pytest.mark.parametrize("blocks", [1, 60])
+def test_small_tables_go_as_the_launch_parameter_large_ones_through_device_memory(
+    blocks: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With parameter tables on, a 1-block GPT-OSS-120B TP1 -> TP4 request's table fits the
+    kernel parameter, a 60-block one does not: each lands byte for byte the way its size
+    picks, and bytes outside stay."""
+    monkeypatch.setattr(kernel, "PARAM_TABLES", True)
+    p, src, got, ref = _gpt_oss_launch(blocks)
+    rg._templates.clear()
+    k = kernel.kernel_for(0)
+    assert k is not None
+    seen: list[int] = []
+    run = k.run
+
+    def spy(table: np.ndarray, *a: object, **kw: object) -> object:
+        seen.append(table.size)
+        return run(table, *a, **kw)  # type: ignore[arg-type]
+
+    k.run = spy  # type: ignore[method-assign]
+    try:
+        rg.regroup(p, 0, src, got, engine="kernel").wait()
+    finally:
+        del k.run
+    assert len(seen) == 1 and (seen[0] <= kernel.SMALL_WORDS) == (blocks == 1), seen
+    for r in got:
+        assert torch.equal(got[r], ref[r]), r
+
+
+def test_a_table_too_large_for_the_parameter_is_refused_when_forced() -> None:
+    k = kernel.kernel_for(0)
+    assert k is not None
+    stream = torch.cuda.current_stream(0).cuda_stream
+    with pytest.raises(kernel.KernelError, match="does not fit"):
+        k.run(np.zeros(kernel.SMALL_WORDS + 1, dtype=np.int64), 1, 1, stream, small=True)
+    with pytest.raises(kernel.KernelError, match="contiguous int64"):
+        k.run(np.zeros(8, dtype=np.int32), 1, 1, stream)
