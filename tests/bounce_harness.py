@@ -69,6 +69,7 @@ class Counts:
     nbytes: int = 0
     stop: bool = False
     on_moved: Callable[[int], None] | None = None
+    on_posted: Callable[[int], None] | None = None
     ended_event: trio.Event = field(default_factory=trio.Event)
     want_ended: int = -1
     chunks_planned: int = 0
@@ -76,6 +77,8 @@ class Counts:
     def posted(self, n: int = 1) -> None:
         self.check()
         self.n_posted += n
+        if self.on_posted is not None:
+            self.on_posted(self.n_posted)
 
     def planned(self, chunks: int) -> None:
         self.chunks_planned = chunks

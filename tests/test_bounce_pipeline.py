@@ -189,6 +189,38 @@ async def test_cancel_mid_stream_waits_for_launched_work_and_releases_slots() ->
         assert link.send_slots.in_use == 0 and counts.n_posted == counts.n_ended >= 1
 
 
+async def test_gathers_are_launched_before_their_receive_slots_are_granted() -> None:
+    """With 4 send slots, ctx gathers 3 chunks (count - 1 taken ahead) while gen has granted
+    only the first receive slot; the rest go out as the grants come, byte for byte, and every
+    slot is back at the end."""
+    async with bounce_link(CTX, GEN, blocks=64, slot_bytes=256 << 10, slots=4) as link:
+        p, expected = link.fill(seed=5)
+        assert len(bounce.chunks(p, 256 << 10)) >= 6
+        three_gathered = trio.Event()
+        ahead: list[int] = []
+
+        def on_posted(n: int) -> None:
+            if n == 2 * 3:  # posted(2) per chunk: gather and write
+                ahead.append(link.send_slots.ahead)
+                three_gathered.set()
+
+        def held_back(receive: Callable[[], Awaitable[int]]) -> Callable[[], Awaitable[int]]:
+            async def next_credit() -> int:
+                await three_gathered.wait()  # no second grant before three gathers were launched
+                return await receive()
+
+            return next_credit
+
+        counts = Counts(on_posted=on_posted)
+        _, counts, error = await run_request(link, p, chunk_bytes=256 << 10, by_notif=True, grants=held_back,
+                                             ctx_counts=counts)
+        assert error is None, error
+        assert ahead == [3]  # the three gathers held their send slots ahead of any later grant
+        link.check(expected)
+        assert link.send_slots.in_use == 0 and link.send_slots.ahead == 0
+        assert counts.n_posted == counts.n_ended
+
+
 async def test_aborting_transfer_posts_no_write() -> None:
     async with bounce_link(CTX, GEN, blocks=64, slot_bytes=256 << 10, slots=4) as link:
         p, _ = link.fill(seed=4)

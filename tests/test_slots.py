@@ -54,3 +54,38 @@ def test_releasing_a_slot_not_held_is_an_error() -> None:
     pool = SlotPool(1)
     with pytest.raises(ValueError, match="not held"):
         pool.release("nobody", 0)
+
+
+def test_slots_taken_ahead_leave_one_for_owners_that_hold_everything_else() -> None:
+    """At most count - 1 slots are held ahead: the last one can only be taken by an owner that
+    waits with its other resource in hand. Settling or releasing a slot ends its ahead hold."""
+    pool = SlotPool(3)
+    a = [pool.try_acquire_ahead("x"), pool.try_acquire_ahead("y")]
+    assert None not in a and pool.ahead == 2
+    assert pool.try_acquire_ahead("z") is None  # the third is kept
+    last = pool.try_acquire("z")  # taken the ordinary way
+    assert last is not None and pool.in_use == 3
+    pool.settle(a[0])  # x now holds what it was missing
+    assert pool.ahead == 1
+    pool.release("z", last)
+    assert pool.try_acquire_ahead("z") == last and pool.ahead == 2
+    pool.release("y", a[1])  # released while ahead
+    assert pool.ahead == 1
+    assert pool.release_owner("z") == 1 and pool.ahead == 0
+    assert SlotPool(1).try_acquire_ahead("solo") is None  # one slot: never ahead
+
+
+async def test_no_slot_is_taken_ahead_while_owners_wait() -> None:
+    pool = SlotPool(2)
+    held = [pool.try_acquire("a"), pool.try_acquire("a")]
+    async with trio.open_nursery() as nursery:
+        got: list[int] = []
+
+        async def want() -> None:
+            got.append(await pool.acquire("b"))
+
+        nursery.start_soon(want)
+        await trio.testing.wait_all_tasks_blocked()
+        pool.release("a", held[0])  # straight to the waiter
+        assert pool.try_acquire_ahead("c") is None
+    assert got == [held[0]]

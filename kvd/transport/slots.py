@@ -6,6 +6,11 @@ handed out round-robin over the transfers that are waiting, one slot per turn, s
 request cannot starve the others ("several requests in flight share the bounce regions
 fairly"). Every slot given out is tracked per owner so that a failed or cancelled
 transfer's slots are all reclaimed (``release_owner``).
+
+A slot may also be taken *ahead* (:meth:`try_acquire_ahead`): by work that starts before it
+holds the other resource it needs (a bounce chunk gathered before gen granted its receive
+slot). At most ``count - 1`` slots are held ahead at any time, so one is always left for
+owners that hold everything else: they never wait on holders that wait for them.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ class SlotPool:
         self._owned: dict[str, set[int]] = {}
         # owner -> queue of (event, box) waiting for one slot each; OrderedDict = round-robin order
         self._waiting: OrderedDict[str, deque[tuple[trio.Event, list[int]]]] = OrderedDict()
+        #: slots held ahead (see the module's docstring), until settled or released
+        self._ahead: set[int] = set()
 
     @property
     def in_use(self) -> int:
@@ -61,6 +68,26 @@ class SlotPool:
             return self._give(owner, self._free.popleft())
         return None
 
+    def try_acquire_ahead(self, owner: str) -> int | None:
+        """A slot now for work that does not yet hold its other resource, or None: none free,
+        owners waiting, or ``count - 1`` slots held ahead already. :meth:`settle` it once the
+        other resource is held; :meth:`release` ends it either way."""
+        if len(self._ahead) >= self.count - 1:
+            return None
+        slot = self.try_acquire(owner)
+        if slot is not None:
+            self._ahead.add(slot)
+        return slot
+
+    def settle(self, slot: int) -> None:
+        """``slot``, taken ahead, is now held with everything else its holder needs."""
+        self._ahead.discard(slot)
+
+    @property
+    def ahead(self) -> int:
+        """Slots held ahead now."""
+        return len(self._ahead)
+
     def release(self, owner: str, slot: int) -> None:
         """Return one slot; it goes to the next waiting owner in round-robin order."""
         owned = self._owned.get(owner)
@@ -69,6 +96,7 @@ class SlotPool:
         owned.discard(slot)
         if not owned:
             del self._owned[owner]
+        self._ahead.discard(slot)
         self._hand_out(slot)
 
     def release_owner(self, owner: str) -> int:
@@ -76,6 +104,7 @@ class SlotPool:
         slots = self._owned.pop(owner, set())
         self._waiting.pop(owner, None)
         for slot in slots:
+            self._ahead.discard(slot)
             self._hand_out(slot)
         return len(slots)
 

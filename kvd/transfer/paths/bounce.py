@@ -28,6 +28,7 @@ stopped: a slot goes back, and a side reports, only once the kernel writing it i
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -140,6 +141,13 @@ async def await_completion(c: regroup_apply.Completion) -> None:
     await until_done([(c.done, c.nbytes)], STAGE_BPS)
 
 
+async def await_completion_settled(c: regroup_apply.Completion) -> None:
+    """Return once ``c``'s work is over, whether it succeeded or failed (its error was raised
+    to whoever awaited it first)."""
+    with contextlib.suppress(Exception):
+        await await_completion(c)
+
+
 async def _stage(fn: Callable[..., regroup_apply.Completion], p: Plan, ch: ChunkRange, src: Any, dst: Any, *,
                  device: int | None) -> regroup_apply.Completion:
     """Gather (``fn`` = ``gather_chunk``) or scatter (``scatter_chunk``) chunk ``ch``: launched
@@ -160,6 +168,7 @@ async def send(job: Job, chs: list[ChunkRange], chunk_bytes: int, first_slot: in
     slot already granted, ``job.grants()`` yields the next ones."""
     assert job.nixl is not None and job.grants is not None and job.remote_region is not None
     nixl, rid, owner, region, p = job.nixl, job.request_id, job.owner, job.remote_region, job.plan
+    grants = job.grants
     staging: StagingRegion = job.staging
     slots: SlotPool = job.slot_pool
     cap = min(staging.slot_bytes, job.remote_slot_bytes)
@@ -185,11 +194,31 @@ async def send(job: Job, chs: list[ChunkRange], chunk_bytes: int, first_slot: in
                                 mem=remote_mem, device=region.device))
         return found
 
-    async def write(seq: int, ch: ChunkRange, local_slot: int, remote_slot: int,
-                    gathered: regroup_apply.Completion) -> None:
+    async def take_grant() -> int:
+        """The next chunk's receive slot: the one granted up front for chunk 0, then gen's
+        grants in the order they come."""
+        nonlocal pending
+        if pending is not None:
+            remote_slot, pending = pending, None
+        else:
+            remote_slot = await grants()
+        if not 0 <= remote_slot < remote_slots:
+            raise TransferError(f"request {rid!r}: the peer granted receive slot {remote_slot}, "
+                                f"its region has {remote_slots}")
+        return remote_slot
+
+    async def write(seq: int, ch: ChunkRange, local_slot: int, remote_slot: int | None,
+                    gathered: regroup_apply.Completion, turn: trio.Event, next_turn: trio.Event) -> None:
         # the gather and its write were announced together (posted(2)) and end together, in
         # one report: the gather has ended by then, the write too, or it never started
         try:
+            if remote_slot is None:
+                # gathered ahead of its grant: grants go to chunks in order, so this chunk
+                # takes the next one once the chunk before it has taken its own
+                await turn.wait()
+                remote_slot = await take_grant()
+                slots.settle(local_slot)
+                next_turn.set()
             await await_completion(gathered)
             n = write_bytes(ch.nbytes, cap)
             local, remote = lists(n)
@@ -202,19 +231,29 @@ async def send(job: Job, chs: list[ChunkRange], chunk_bytes: int, first_slot: in
                                         post_in_thread=local_mem == "DRAM" and n > INLINE_BYTES)
             job.progress.moved(ch.nbytes)
         finally:
+            # a gather launched but never written (cancelled while it waited for its grant)
+            # is waited for first: its slot is reused only once the kernel filling it is done
+            with trio.CancelScope(shield=True):
+                await await_completion_settled(gathered)
             slots.release(owner, local_slot)
             job.progress.ended(2)
 
     async with trio.open_nursery() as writers:
+        # A chunk's gather is launched before gen granted its receive slot when a send slot
+        # can be taken ahead (SlotPool.try_acquire_ahead): on GPUs a request's gathers then
+        # queue back to back on one stream, and each write goes out once its gather is done
+        # and its grant came. Otherwise the chunk waits for its grant first, then for a send
+        # slot: a chunk that waits for a send slot always holds its receive slot, so the
+        # transfers sharing these regions cannot wait on each other in a circle.
+        turn = trio.Event()
+        turn.set()
         for seq, ch in enumerate(chs):
-            if pending is None:
-                remote_slot = await job.grants()
-            else:
-                remote_slot, pending = pending, None
-            if not 0 <= remote_slot < remote_slots:
-                raise TransferError(f"request {rid!r}: the peer granted receive slot {remote_slot}, "
-                                    f"its region has {remote_slots}")
-            local_slot = await slots.acquire(owner)
+            remote_slot: int | None = None
+            local_slot = slots.try_acquire_ahead(owner)
+            if local_slot is None:
+                await turn.wait()
+                remote_slot = await take_grant()
+                local_slot = await slots.acquire(owner)
             pool = job.src[ch.src]
             try:
                 # a gather is counted as a write: the transfer reports (and its staging slots go
@@ -230,7 +269,11 @@ async def send(job: Job, chs: list[ChunkRange], chunk_bytes: int, first_slot: in
             except BaseException:
                 slots.release(owner, local_slot)
                 raise
-            writers.start_soon(write, seq, ch, local_slot, remote_slot, gathered)
+            next_turn = trio.Event()
+            if remote_slot is not None:
+                next_turn.set()
+            writers.start_soon(write, seq, ch, local_slot, remote_slot, gathered, turn, next_turn)
+            turn = next_turn
     return Sent(writes=len(chs), chunks=len(chs), nbytes=p.total_bytes())
 
 
