@@ -28,6 +28,7 @@ def test_figures_on_a_gpu(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--launches", "3", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert set(report["launch_host_us"]) == {"back to back", "after a 2 ms sleep", "after a 20 ms sleep",
-                                             "after 2 ms of spinning", "after other Python work"}
+                                             "after 2 ms of spinning", "after other Python work",
+                                             "after 2 ms of stream queries", "after a 2 ms sleep and one stream query"}
     assert all(v > 0 for v in report["launch_host_us"].values())
     assert report["driver_calls_back_to_back_us"].keys() == report["driver_calls_after_2ms_sleep_us"].keys()

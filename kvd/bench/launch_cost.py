@@ -10,7 +10,11 @@ tables, template lookup, the driver calls) after each of these, ``--launches`` t
   between requests;
 - ``after 2 ms of spinning``: the process stayed on its core, touching no memory;
 - ``after other Python work``: a few MB of Python objects walked (~3 ms), as the daemon's
-  control path does between two launches.
+  control path does between two launches;
+- ``after 2 ms of stream queries``: the process kept calling the driver (``cuStreamQuery`` on
+  an idle stream) instead: whether driver calls keep the launch path warm where spinning does not;
+- ``after a 2 ms sleep and one stream query``: whether one cheap driver call just before the
+  launch pays the pause for it.
 
 Then each driver call of the device-memory launch (``cuCtxPushCurrent``,
 ``cuMemAllocFromPoolAsync``, ``cuMemcpyHtoDAsync``, ``cuMemFreeAsync``, ``cuEventRecord``,
@@ -55,11 +59,20 @@ def _spin(seconds: float) -> Callable[[], None]:
     return f
 
 
-def _cases(junk: list[dict[str, Any]]) -> dict[str, Callable[[], None]]:
+def _cases(junk: list[dict[str, Any]], query: Callable[[], object]) -> dict[str, Callable[[], None]]:
     def other_work() -> None:
         total = 0
         for d in junk:
             total += d["a"] + len(d["b"])
+
+    def querying() -> None:
+        end = time.perf_counter() + 0.002
+        while time.perf_counter() < end:
+            query()
+
+    def sleep_then_query() -> None:
+        time.sleep(0.002)
+        query()
 
     return {
         "back to back": lambda: None,
@@ -67,6 +80,8 @@ def _cases(junk: list[dict[str, Any]]) -> dict[str, Callable[[], None]]:
         "after a 20 ms sleep": lambda: time.sleep(0.02),
         "after 2 ms of spinning": _spin(0.002),
         "after other Python work": other_work,
+        "after 2 ms of stream queries": querying,
+        "after a 2 ms sleep and one stream query": sleep_then_query,
     }
 
 
@@ -107,8 +122,10 @@ def measure(device: int, launches: int) -> dict[str, Any]:
     for i in range(20):  # templates, events, the module: loaded before anything is timed
         one(i)
     junk = [{"a": i, "b": str(i)} for i in range(20000)]
+    cu = kernel._driver()
+    idle = cu.CUstream(torch.cuda.Stream(device).cuda_stream)  # type: ignore[no-untyped-call]
     launch: dict[str, float] = {}
-    for name, before in _cases(junk).items():
+    for name, before in _cases(junk, lambda: cu.cuStreamQuery(idle)).items():
         times = []
         for i in range(launches):
             before()
@@ -117,7 +134,6 @@ def measure(device: int, launches: int) -> dict[str, Any]:
 
     k = kernel.kernel_for(device)
     assert k is not None
-    cu = kernel._driver()
     hs = cu.CUstream(torch.cuda.current_stream(device).cuda_stream)
     table = np.zeros(64, dtype=np.int64)
 
@@ -167,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"regroup kernel launch, host time (median of {args.launches}; 1-block TP1 -> TP4 on {report['device']}):")
     for name, us in report["launch_host_us"].items():
-        print(f"  {name:<26} {us:8.1f} us")
+        print(f"  {name:<40} {us:8.1f} us")
     print("driver calls alone:                back to back   after a 2 ms sleep")
     after = report["driver_calls_after_2ms_sleep_us"]
     for name, us in report["driver_calls_back_to_back_us"].items():
