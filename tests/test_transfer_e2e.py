@@ -71,6 +71,31 @@ async def test_request_three_times_the_bounce_region_streams(daemon_factory: Fac
     assert c.bytes == 3 * 4 * 2**20 and c.chunks >= 12 and c.path == "bounce"
 
 
+async def test_concurrent_requests_each_larger_than_the_bounce_regions_all_finish(
+    daemon_factory: Factory, short_tmp: Path
+) -> None:
+    """Four requests of 6 MiB at once through 4 MiB regions (4 slots of 1 MiB each way, 6
+    chunks a request): chunks gather ahead of their grants while they can, the requests
+    compete for both regions, and every one completes, byte for byte (that no circular wait
+    can form is SlotPool's rule, tested in tests/test_slots.py)."""
+    geo = {**GEO, "num_layers": 24}
+    ctx, gen = KVLayout(**geo), KVLayout(**{**geo, "tp_size": 2})  # type: ignore[arg-type]
+    pair = start_pair(daemon_factory, short_tmp, ctx, gen, num_blocks=32)
+    outs = []
+
+    async def one(i: int) -> None:
+        outs.append(await run_transfer(pair, ctx, gen, request_id=f"req-big{i}", blocks=8, seed=i))
+
+    async with trio.open_nursery() as nursery:
+        for i in range(4):
+            nursery.start_soon(one, i)
+    assert len(outs) == 4
+    for out in outs:
+        assert_exact(out, gen, whole_pool=False)
+        c = out.gen[0]
+        assert c.ok and c.path == "bounce" and c.chunks >= 6, c
+
+
 async def test_sixteen_concurrent_requests(daemon_factory: Factory, short_tmp: Path) -> None:
     ctx, gen = L(), L(tp_size=2)
     pair = start_pair(daemon_factory, short_tmp, ctx, gen, num_blocks=64)
