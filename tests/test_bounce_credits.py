@@ -4,7 +4,6 @@ older daemons do); ctx takes either. The transfer.done lines count what went whi
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -20,8 +19,8 @@ GEN = KVLayout(**{**GEO, "tp_size": 4})  # type: ignore[arg-type]
 
 
 def _done(d: DaemonProcess, rid: str) -> dict[str, object]:
-    lines = [json.loads(line) for line in d.log().splitlines() if '"transfer.done"' in line]
-    (done,) = [e for e in lines if e["request_id"] == rid]
+    # the daemon logs the line after its completion replies: wait for it, never read at once
+    (done,) = d.logged("transfer.done", request_id=rid)
     return done
 
 

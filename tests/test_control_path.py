@@ -47,9 +47,10 @@ async def test_an_announced_mapped_request_moves_exact_bytes_from_the_publish_st
     pair = start_pair(daemon_factory, short_tmp, ONE, TP2, mapped=True)
     out = await run_transfer(pair, ONE, TP2, request_id="r-inline", blocks=4, gen_peer="ctx")
     assert_exact(out, TP2)
-    (done,) = _lines(pair.ctx, "transfer.done", "r-inline")
+    # logged after the completion replies: waited for, never read at once
+    (done,) = pair.ctx.logged("transfer.done", request_id="r-inline")
     assert done["path"] == "mapped" and done["round_trips"] == 0
-    assert len(_lines(pair.gen, "transfer.done", "r-inline")) == 1
+    assert len(pair.gen.logged("transfer.done", request_id="r-inline")) == 1
 
 
 async def test_a_publish_whose_inline_data_path_fails_fails_once_and_releases_blocks(

@@ -46,7 +46,7 @@ async def test_announced_destination_moves_data_without_a_round_trip(
     pair = start_pair(daemon_factory, short_tmp, ONE, TP2)
     out = await run_transfer(pair, ONE, TP2, request_id="r-ann", blocks=4, gen_peer="ctx" if announce else "")
     assert_exact(out, TP2)
-    (done,) = [d for d in _lines(pair.ctx, "transfer.done") if d["request_id"] == "r-ann"]
+    (done,) = pair.ctx.logged("transfer.done", request_id="r-ann")  # logged after the replies: waited for
     assert done["round_trips"] == (0 if announce else 1)
 
 
