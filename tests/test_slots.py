@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import trio
 import trio.testing
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvd.transport.slots import SlotPool
 
@@ -60,16 +62,16 @@ def test_slots_taken_ahead_leave_one_for_owners_that_hold_everything_else() -> N
     """At most count - 1 slots are held ahead: the last one can only be taken by an owner that
     waits with its other resource in hand. Settling or releasing a slot ends its ahead hold."""
     pool = SlotPool(3)
-    a = [pool.try_acquire_ahead("x"), pool.try_acquire_ahead("y")]
-    assert None not in a and pool.ahead == 2
+    x, y = pool.try_acquire_ahead("x"), pool.try_acquire_ahead("y")
+    assert x is not None and y is not None and pool.ahead == 2
     assert pool.try_acquire_ahead("z") is None  # the third is kept
     last = pool.try_acquire("z")  # taken the ordinary way
     assert last is not None and pool.in_use == 3
-    pool.settle(a[0])  # x now holds what it was missing
+    pool.settle(x)  # x now holds what it was missing
     assert pool.ahead == 1
     pool.release("z", last)
     assert pool.try_acquire_ahead("z") == last and pool.ahead == 2
-    pool.release("y", a[1])  # released while ahead
+    pool.release("y", y)  # released while ahead
     assert pool.ahead == 1
     assert pool.release_owner("z") == 1 and pool.ahead == 0
     assert SlotPool(1).try_acquire_ahead("solo") is None  # one slot: never ahead
@@ -77,7 +79,8 @@ def test_slots_taken_ahead_leave_one_for_owners_that_hold_everything_else() -> N
 
 async def test_no_slot_is_taken_ahead_while_owners_wait() -> None:
     pool = SlotPool(2)
-    held = [pool.try_acquire("a"), pool.try_acquire("a")]
+    first, second = pool.try_acquire("a"), pool.try_acquire("a")
+    assert first is not None and second is not None
     async with trio.open_nursery() as nursery:
         got: list[int] = []
 
@@ -86,6 +89,38 @@ async def test_no_slot_is_taken_ahead_while_owners_wait() -> None:
 
         nursery.start_soon(want)
         await trio.testing.wait_all_tasks_blocked()
-        pool.release("a", held[0])  # straight to the waiter
+        pool.release("a", first)  # straight to the waiter
         assert pool.try_acquire_ahead("c") is None
-    assert got == [held[0]]
+    assert got == [first]
+
+
+@given(st.integers(1, 5), st.lists(st.tuples(st.sampled_from(["take", "ahead", "settle", "release", "drop"]),
+                                             st.sampled_from(["a", "b", "c"])), max_size=60))
+@settings(max_examples=200, deadline=None)
+def test_any_sequence_keeps_the_books(count: int, ops: list[tuple[str, str]]) -> None:
+    """Whatever owners take, take ahead, settle and give back (without waiting), every slot is
+    free or held by exactly one owner, at most count - 1 are held ahead, and only held slots
+    are held ahead."""
+    pool = SlotPool(count)
+    held: dict[str, list[int]] = {"a": [], "b": [], "c": []}
+    for op, owner in ops:
+        if op == "take":
+            slot = pool.try_acquire(owner)
+            if slot is not None:
+                held[owner].append(slot)
+        elif op == "ahead":
+            slot = pool.try_acquire_ahead(owner)
+            if slot is not None:
+                held[owner].append(slot)
+        elif op == "settle" and held[owner]:
+            pool.settle(held[owner][0])
+        elif op == "release" and held[owner]:
+            pool.release(owner, held[owner].pop())
+        elif op == "drop":
+            assert pool.release_owner(owner) == len(held[owner])
+            held[owner] = []
+        mine = [s for slots in held.values() for s in slots]
+        assert len(mine) == len(set(mine)) == pool.in_use <= count
+        assert {o: pool.owned_by(o) for o in held} == {o: set(s) for o, s in held.items()}
+        assert pool.ahead <= max(0, count - 1)
+        assert pool._ahead <= set(mine)
