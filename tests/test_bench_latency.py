@@ -101,3 +101,20 @@ def test_latency_ab_refuses_a_tree_without_kvd(tmp_path: Path, capsys: pytest.Ca
     with pytest.raises(SystemExit):
         latency_ab.main([str(tmp_path), tree])
     assert "holds no kvd/ package" in capsys.readouterr().err
+
+
+def test_latency_ab_sets_each_sides_variables_in_its_rounds(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--env-old`` / ``--env-new KEY=VALUE`` go into that side's rounds only (the daemons
+    inherit the round's environment): one tree A/B'd with and without a setting. A value that
+    is not KEY=VALUE is refused before anything runs."""
+    from kvd.bench import latency_ab
+
+    tree = str(Path(__file__).resolve().parent.parent)
+    args = latency_ab.build_parser().parse_args([tree, tree, "--env-new", "KVD_KERNEL_PARAM_TABLES=1",
+                                                 "--env-new", "KVD_X=a=b", "--pythonpath", "/wheels"])
+    new, old = latency_ab.round_env(args, "new", tree), latency_ab.round_env(args, "old", tree)
+    assert new["KVD_KERNEL_PARAM_TABLES"] == "1" and new["KVD_X"] == "a=b"
+    assert "KVD_X" not in old and old["PYTHONPATH"] == new["PYTHONPATH"] == f"/wheels:{tree}"
+    with pytest.raises(SystemExit):
+        latency_ab.main([tree, tree, "--env-old", "NO_EQUALS_SIGN"])
+    assert "take KEY=VALUE" in capsys.readouterr().err

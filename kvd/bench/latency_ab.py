@@ -99,9 +99,20 @@ _FIGURES = (("p50_s", "p50"), ("p99_s", "p99"), ("ctx_p50_s", "ctx p50"), ("ctx_
             ("ctx_cpu_s", "ctx cpu/req"), ("gen_cpu_s", "gen cpu/req"))
 
 
-def _round(tree: str, args: argparse.Namespace) -> dict[str, Any]:
+def round_env(args: argparse.Namespace, name: str, tree: str) -> dict[str, str]:
+    """The environment of one round of ``name`` ("old" or "new") under ``tree``: this process's,
+    the tree on ``PYTHONPATH`` and that side's ``--env-old`` / ``--env-new`` settings (the
+    daemons inherit them: an A/B of one tree with and without a variable)."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (args.pythonpath, tree) if p)
+    for item in getattr(args, f"env_{name}"):
+        key, _, value = item.partition("=")
+        env[key] = value
+    return env
+
+
+def _round(tree: str, args: argparse.Namespace, name: str) -> dict[str, Any]:
+    env = round_env(args, name, tree)
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--tree", tree, "--geometry", args.geometry,
            "--blocks", str(args.blocks), "--repeat", str(args.repeat), "--orders", args.orders,
            "--memory", args.memory, "--device", str(args.device), "--busy-poll", args.busy_poll]
@@ -132,6 +143,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--gen-device", type=int, default=None, help="gen pools' GPU (default: --device)")
     parser.add_argument("--busy-poll", default="", help="both daemons' transfer.busy_poll (default: the tree's own)")
     parser.add_argument("--pythonpath", default="", help="put in front of each tree on PYTHONPATH (installed wheels)")
+    parser.add_argument("--env-old", action="append", default=[], metavar="KEY=VALUE",
+                        help="set in the old tree's rounds, daemons included (repeatable; default none): with the "
+                             "same tree twice, an A/B of a setting, e.g. --env-new KVD_KERNEL_PARAM_TABLES=1")
+    parser.add_argument("--env-new", action="append", default=[], metavar="KEY=VALUE",
+                        help="set in the new tree's rounds, daemons included (repeatable; default none)")
     parser.add_argument("--round-timeout", type=float, default=300.0, help="seconds a round may take (default 300)")
     parser.add_argument("--json", action="store_true", help="also print every round as one JSON object at the end")
     parser.add_argument("--child", action="store_true",
@@ -149,6 +165,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if len(args.trees) != 2:
         parser.error("give two trees: OLD_TREE NEW_TREE")
+    for item in (*args.env_old, *args.env_new):
+        key, eq, _ = item.partition("=")
+        if not eq or not key or not key.replace("_", "").isalnum():
+            parser.error(f"--env-old/--env-new take KEY=VALUE, got {item!r}")
     for tree in args.trees:
         if not Path(tree, "kvd", "__init__.py").is_file():
             parser.error(f"{tree} holds no kvd/ package (make a tree with: git archive COMMIT | tar -x -C DIR)")
@@ -156,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, list[dict[str, Any]]] = {"old": [], "new": []}
     for r in range(args.rounds):
         for name in ("old", "new") if r % 2 == 0 else ("new", "old"):
-            res = _round(trees[name], args)
+            res = _round(trees[name], args, name)
             results[name].append(res)
             print(f"round {r} {name}: " + "; ".join(
                 f"{order} p50 {v['p50_s'] * 1e3:.3f} p99 {v['p99_s'] * 1e3:.3f} ctx p50 {v['ctx_p50_s'] * 1e3:.3f} ms, "
