@@ -499,7 +499,7 @@ class Engine:
                 and m_.state(f.Role.CTX) is f.State.IDLE)
 
     async def _forget_later(self, t: Transfer) -> None:
-        await trio.sleep(TOMBSTONE_S)
+        await trio.sleep(self.cfg.remember_ended_s)
         if self.transfers.get(t.key) is t:
             del self.transfers[t.key]
 
