@@ -19,6 +19,8 @@ max_ended_requests``.
 from __future__ import annotations
 
 import json
+import math
+import socket
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -94,6 +96,29 @@ async def test_a_late_rank_is_told_how_its_side_ended_until_the_deadline(daemon_
         await late_rank1(solo, "r-late")
     assert ("cancelled by client" if how == "cancel" else "session") in info.value.message
     assert len(solo.logged("transfer.failed", request_id="r-late")) == 1  # one outcome for the side
+
+
+def test_remembered_until_the_deadline_and_at_least_remember_ended_s() -> None:
+    from kvd.transfer.engine import remember_until
+
+    assert remember_until(100.0, now=10.0, at_least_s=10.0) == 100.0  # the deadline, further off
+    assert remember_until(15.0, now=10.0, at_least_s=10.0) == 20.0  # at least 10 s after the end
+    assert remember_until(math.inf, now=10.0, at_least_s=10.0) == 20.0  # no deadline known
+    assert remember_until(5.0, now=10.0, at_least_s=0.0) == 10.0  # past its deadline: now
+
+
+async def test_a_late_rank_after_the_deadline_is_still_told_for_remember_ended_s(daemon_factory: Factory) -> None:
+    """The request's deadline passed, but it ended less than ``remember_ended_s`` ago: a late
+    rank is still refused with how it ended. (Synchronised without a clock: a second request
+    registered afterwards with the same deadline_s times out after the first one's deadline.)"""
+    solo = _solo(daemon_factory, remember_ended_s=600.0)
+    await end_with_rank0_only(solo, "r-floor", deadline_s=0.5)
+    async with open_client(solo.socket_path, client="clock") as c:
+        await c.expect("r-clock", "gen0", GEN, 0, await c.alloc("gen0", 1), ranks=[0, 1], deadline_s=0.5)
+        with pytest.raises(KvdError, match="missed its deadline"):
+            await c.wait("r-clock")
+    with trio.fail_after(20), pytest.raises(KvdError, match="'r-floor' already failed"):
+        await late_rank1(solo, "r-floor")
 
 
 async def test_once_forgotten_the_request_id_is_a_new_request(daemon_factory: Factory) -> None:
@@ -207,3 +232,31 @@ async def test_waiting_gen_ranks_fail_at_once_when_ctx_aborts_before_its_offer(
     assert len(pair.ctx.logged("transfer.failed", request_id="r-wait")) == 1
     out = await run_transfer(pair, CTX2, GEN, request_id="r-after-wait", blocks=2)
     assert_exact(out, GEN)
+
+
+async def test_a_ctx_abort_while_the_link_was_down_reaches_gen_when_it_comes_up(
+        daemon_factory: Factory, short_tmp: Path) -> None:
+    """ctx publishes while its gen peer is not up (the offer waits for the link), and its
+    executor leaves: ctx's failure notice is owed to the link, and once the gen daemon is up it
+    learns of it; a gen rank that then expects the request is refused at once with ctx's reason
+    (it used to be dropped as a notice for an unknown request: the rank waited 60 s)."""
+    from tests.transfer_harness import write_secret
+
+    secret = write_secret(short_tmp)
+    fast = {"bounce_size_mb": 4, "chunk_mb": 1, "mapped": False, "reconnect_initial_s": 0.05,
+            "reconnect_max_s": 0.2}
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as dead:
+        dead.bind(("127.0.0.1", 0))  # held, never listening: ctx's dials are refused
+        port = dead.getsockname()[1]
+        ctx = daemon_factory({"pools": pools_for("ctx", CTX, 16), "peer_secret_file": secret, "transfer": fast,
+                              "peers": [{"name": "gen", "host": "127.0.0.1", "port": port}]}, name="ctx")
+        async with open_client(ctx.socket_path, client="ctx0") as c:
+            await c.publish("r-down", "ctx0", CTX, 0, await c.alloc("ctx0", 2), peer="gen", deadline_s=60)
+        # (the executor left: its side fails with "executor session N ended")
+        await logged(ctx, "transfer.failed", request_id="r-down")
+    gen = daemon_factory({"pools": pools_for("gen", GEN, 16), "peer_secret_file": secret, "peer_port": port,
+                          "transfer": fast, "log_level": "debug"}, name="gen")
+    await logged(gen, "transfer.dropped", request_id="r-down")
+    with trio.fail_after(20), pytest.raises(TransferCancelled, match="already failed: ctx side failed") as info:
+        await late_rank1(gen, "r-down")
+    assert "session" in info.value.message
