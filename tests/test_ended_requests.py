@@ -13,7 +13,8 @@ max_ended_requests``.
   early, and logged so;
 - a ctx side that fails before it heard from gen (a rank left before the others published, or
   its offer never reached gen) tells gen: gen ranks waiting fail at once with ctx's reason, and
-  gen ranks that expect the request later are refused at once with it.
+  gen ranks that expect the request later are refused at once with it, also when the notice
+  waited for the link to come up; the notices waiting for a link are bounded too.
 """
 
 from __future__ import annotations
@@ -260,3 +261,24 @@ async def test_a_ctx_abort_while_the_link_was_down_reaches_gen_when_it_comes_up(
     with trio.fail_after(20), pytest.raises(TransferCancelled, match="already failed: ctx side failed") as info:
         await late_rank1(gen, "r-down")
     assert "session" in info.value.message
+
+
+def test_failure_notices_owed_to_a_peer_that_is_down_are_bounded() -> None:
+    """A peer down for long: the notices waiting for its link are at most max_ended_requests;
+    the oldest is dropped, and logged (``peer.owed_dropped``)."""
+    import structlog.testing
+
+    from kvd.config import Config, LimitsConfig
+    from kvd.peer.links import PeerLinks
+    from protocol import transfer as x
+
+    async def deliver(link: object, msg: object) -> None:
+        raise AssertionError("nothing is delivered here")
+
+    links = PeerLinks(Config(limits=LimitsConfig(max_ended_requests=2)), None, {}, "test",  # type: ignore[arg-type]
+                      deliver=deliver, link_up=lambda link: None, link_lost=lambda node, why: None)
+    with structlog.testing.capture_logs() as logs:
+        for i in range(3):
+            links.owe("gen", x.XferFail(request_id=f"r{i}", code="transfer_cancelled", message="m", sender="ctx"))
+    assert [msg.request_id for msg in links.owed["gen"]] == ["r1", "r2"]
+    assert [(e["event"], e["request_id"], e["limit"]) for e in logs] == [("peer.owed_dropped", "r0", 2)]
