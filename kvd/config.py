@@ -129,6 +129,10 @@ class TransferConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
     # Same-node peers: attach the peer's pools over its Unix socket and regroup straight into
     # them (path "mapped": no NIXL, no bounce). Off = always go through NIXL.
     mapped: bool = True
+    # An ended request that a late rank or message may still ask about (a side ended before
+    # all its ranks registered, or failed before the peer spoke) is remembered until its
+    # deadline, and at least this many seconds after it ended (docs/design.md, "A transfer").
+    remember_ended_s: float = 10.0
 
     def busy_poll_on(self) -> bool:
         """Whether the event loop spins while requests are pending (``busy_poll`` resolved)."""
@@ -172,6 +176,9 @@ class LimitsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     operator_reserve: int = 4
     #: Ranks one request may name on this daemon (its participants; each registers here).
     max_ranks_per_request: int = 256
+    #: Ended requests remembered for late ranks and messages (until their deadlines); beyond
+    #: this, the one due to be forgotten first is forgotten now (``transfer.forgotten_early``).
+    max_ended_requests: int = 16384
 
 
 class AccessConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

@@ -63,6 +63,7 @@ def check_limits(limits: LimitsConfig) -> None:
         "max_pending_connections",
         "max_pending_peers",
         "max_ranks_per_request",
+        "max_ended_requests",
     ):
         value = getattr(limits, name)
         if value < 1:
@@ -99,6 +100,7 @@ def check_config(config: Config) -> None:
     _check_seconds("[transfer] heartbeat_timeout_s", t.heartbeat_timeout_s, positive=True)
     _check_seconds("[transfer] reconnect_initial_s", t.reconnect_initial_s, positive=True)
     _check_seconds("[transfer] reconnect_max_s", t.reconnect_max_s, positive=True)
+    _check_seconds("[transfer] remember_ended_s", t.remember_ended_s, positive=False)
     if t.reconnect_max_s < t.reconnect_initial_s:
         raise BadRequest(
             f"invalid configuration: [transfer] reconnect_max_s ({t.reconnect_max_s:g}) is below "

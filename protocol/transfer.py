@@ -30,7 +30,9 @@ front; a ``publish`` that finds it moves bytes with zero peer round trips::
     XferDone(writes, bytes)              ──▶   gen done once it saw ``writes`` notifications
 
 A side that fails sends one ``XferFail``; ctx sends it only once none of its writes can land
-(``writes_stopped``), and gen reports failure (and frees its blocks) only after that. The
+(``writes_stopped``), and gen reports failure (and frees its blocks) only after that. ctx sends
+it also when it failed before the gen daemon said anything (``deadline_s`` > 0): gen ranks
+waiting for an offer fail at once, and those that expect the request later are refused. The
 per-request rules live in :mod:`protocol.transfer_fsm`.
 """
 
@@ -143,6 +145,10 @@ class XferFail(XferMessage, frozen=True, tag="xfer_fail"):
     message: Text
     writes_stopped: bool = True  # none of the sender's writes into the receiver can land any more
     sender: Name = ""  # "ctx" | "gen": the side that failed ("" from older daemons)
+    # > 0: the sender (ctx) never heard from the receiver about this request, which may not know
+    # it at all; seconds left of its deadline: the receiver keeps the failure that long for its
+    # ranks that register later. 0: the receiver knows the request (or an older daemon sent it)
+    deadline_s: TimeoutS = 0.0
 
 
 #: ``chunking`` of a receiver that cuts every (ctx rank, gen rank) pair's byte stream (its

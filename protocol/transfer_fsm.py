@@ -29,6 +29,8 @@ every event:
   only once no write can land any more: ctx when its own writes are over; gen when its own
   scatters are over and ctx cannot write (it never got the destination, or said its writes
   stopped, or its data was out, or the peer was fenced — it reconnected as a new instance).
+  A ctx side hosted alone then sends its one failure notice, also when nothing was said yet
+  (``publish`` named its gen peer): gen learns of it instead of waiting for its deadline.
 
 A late message (a notification or a failure after the side ended) is absorbed by the table
 (``FAILED`` keeps ``FAILED``); only a message that could never be valid raises.
@@ -266,11 +268,16 @@ class DataDoneReceived(Event):
 
 @dataclass(frozen=True)
 class FailReceived(Event):
-    """``XferFail``: the peer's side failed; ``writes_stopped``: none of its writes can land."""
+    """``XferFail``: the peer's side failed; ``writes_stopped``: none of its writes can land.
+    ``deadline`` (on the caller's clock; ``deadline_s`` as sent): a ctx side that failed before
+    it heard from gen gives what was left of its deadline, so that a gen side first known by
+    this failure keeps the request's deadline (the engine remembers the end until then)."""
 
     code: str = "transfer_failed"
     message: str = ""
     writes_stopped: bool = True
+    deadline: float = math.inf
+    deadline_s: float = 0.0
 
 
 # events without a side
@@ -327,9 +334,14 @@ class SendDataDone(Action):
 
 @dataclass(frozen=True)
 class SendFail(Action):
+    """Send the side's one failure notice. ``unheard``: the peer never said anything about this
+    request, so it may not know it at all (ctx failed before its offer, or before its offer
+    reached gen): the notice carries the deadline, and gen keeps the failure for its ranks."""
+
     code: str
     message: str
     writes_stopped: bool
+    unheard: bool = False
 
 
 @dataclass(frozen=True)
@@ -509,6 +521,7 @@ class TransferMachine:
     fenced: bool = False  # the peer can no longer write
     fail_sent: bool = False  # our one XferFail went out
     talked: bool = False  # a message went to or came from the peer
+    heard: bool = False  # a message came from the peer
     ctx: SideState = field(default_factory=SideState)
     gen: SideState = field(default_factory=SideState)
 
@@ -638,7 +651,7 @@ class TransferMachine:
                 raise RemoteProtocolError(
                     f"peer sent {etype.__name__} about the {role.value} side, which this daemon plays"
                 )
-            self.talked = True
+            self.talked = self.heard = True
         side = self.ctx if role is _CTX else self.gen
         new = TRANSITIONS[role][side.state].get(etype)
         if new is None:
@@ -652,7 +665,8 @@ class TransferMachine:
         refused any other): one dict lookup instead of a chain of ``isinstance`` tests."""
         _EFFECTS[type(event)](self, event, side, new, out)
 
-    def _deadline_from(self, event: RankRegistered | SideComplete | OfferReceived | DestinationReceived) -> None:
+    def _deadline_from(self, event: RankRegistered | SideComplete | OfferReceived | DestinationReceived
+                       | FailReceived) -> None:
         if event.deadline < self.deadline:
             self.deadline, self.deadline_s = event.deadline, event.deadline_s
 
@@ -722,6 +736,7 @@ class TransferMachine:
         self._set(side, new)
 
     def _on_fail_received(self, event: FailReceived, side: SideState, new: State, out: list[Action]) -> None:
+        self._deadline_from(event)
         if side.state not in FINAL:
             side.code, side.message = event.code, event.message
             if not event.writes_stopped:
@@ -792,8 +807,11 @@ class TransferMachine:
             if me.state is _ABORTING and me.in_flight == 0 and (role is _CTX or self._ctx_quiet()):
                 me.state = _FAILED
                 self._report(role, out)
-                if role is _CTX and not gen_here and self.talked and not self.fail_sent:
-                    out.append(SendFail(me.code, me.message, writes_stopped=True))
+                if role is _CTX and not gen_here and not self.fail_sent:
+                    # ctx always knows its gen peer (publish names it): tell it even before any
+                    # message went either way (a rank left before the others published, the
+                    # offer still waits for the link), or gen's ranks wait for their deadline
+                    out.append(SendFail(me.code, me.message, writes_stopped=True, unheard=not self.heard))
                     self.fail_sent = True
                 return True
         # tell: a side that failed before the peer spoke up answers it (no waiting for deadlines)

@@ -397,6 +397,71 @@ def test_unasked_offer_expires_and_tells_ctx() -> None:
     assert [type(a) for a in out] == [SendFail, Report]
 
 
+@pytest.mark.parametrize("stop", [Cancel(CTX, "cancelled by client"), Disconnect(CTX, "executor session 2 ended"),
+                                  LocalFailure(CTX, "transfer_timeout", "ranks [1] never registered")],
+                         ids=["cancel", "disconnect", "deadline"])
+def test_ctx_failing_before_anything_was_said_tells_gen_it_never_heard(stop: Event) -> None:
+    """ctx rank 0 of 2 registered and the side failed (nothing went to gen: no offer yet): ctx
+    still sends its one failure notice, marked unheard (gen may not know the request)."""
+    ctx = TransferMachine(here={CTX})
+    assert ctx.handle(RankRegistered(CTX, deadline=30.0)) == []
+    out = ctx.handle(stop)
+    side = ctx.side(CTX)
+    assert out == [Report(CTX, False, side.code, side.message),
+                   SendFail(side.code, side.message, writes_stopped=True, unheard=True)]
+    assert ctx.handle(Cancel(CTX)) == []  # one notice, one report
+    # an offer sent (maybe still waiting for the link) and no answer: still unheard
+    offered = TransferMachine(here={CTX})
+    assert offered.handle(SideComplete(CTX, deadline=30.0)) == [SendOffer()]
+    assert offered.handle(stop)[-1] == SendFail(offered.ctx.code, offered.ctx.message, writes_stopped=True,
+                                                 unheard=True)
+
+
+def test_ctx_failing_after_gen_spoke_tells_gen_as_before() -> None:
+    """gen's destination came: ctx's notice is not unheard (gen knows the request)."""
+    ctx = TransferMachine(here={CTX})
+    ctx.handle(DestinationReceived(GEN, announced=True))
+    ctx.handle(RankRegistered(CTX))
+    out = ctx.handle(Cancel(CTX, "cancelled by client"))
+    assert out[-1] == SendFail("transfer_cancelled", "cancelled by client", writes_stopped=True, unheard=False)
+    # an echo: ctx fails because gen did; its notice says gen spoke
+    echo = _ctx_sending(0)
+    out = echo.handle(FailReceived(GEN, "transfer_cancelled", "cancelled by client"))
+    assert [a for a in out if isinstance(a, SendFail)] == [
+        SendFail("transfer_cancelled", "gen side failed: cancelled by client", writes_stopped=True)]
+
+
+def test_a_local_ctx_failure_sends_nothing() -> None:
+    both = TransferMachine(here={CTX, GEN})
+    both.handle(RankRegistered(CTX))
+    out = both.handle(Cancel(CTX, "cancelled by client"))
+    assert not [a for a in out if isinstance(a, SendFail)]
+
+
+def test_gen_first_known_by_ctx_failure_fails_at_once_and_keeps_its_deadline() -> None:
+    """gen knows nothing of the request and ctx's failure notice arrives (unheard, with what
+    was left of its deadline): gen's side ends at once (no executor to tell: the engine keeps
+    the end until that deadline); a gen rank waiting (registering or ready) fails at once with
+    ctx's reason, reported once."""
+    fresh = TransferMachine(here={GEN})
+    out = fresh.handle(FailReceived(CTX, "transfer_cancelled", "cancelled by client", deadline=42.0,
+                                    deadline_s=12.0))
+    assert out == [Report(GEN, False, "transfer_cancelled", "ctx side failed: cancelled by client")]
+    assert fresh.finished and fresh.deadline == 42.0 and fresh.deadline_s == 12.0 and not fresh.fail_sent
+    for waiting in (RankRegistered(GEN, deadline=60.0), SideComplete(GEN, deadline=60.0)):
+        gen = TransferMachine(here={GEN})
+        gen.handle(waiting)
+        out = gen.handle(FailReceived(CTX, "transfer_cancelled", "cancelled by client", deadline=42.0))
+        assert out == [Report(GEN, False, "transfer_cancelled", "ctx side failed: cancelled by client")]
+        assert gen.deadline == 42.0  # the earlier of the two
+        assert gen.handle(FailReceived(CTX, "transfer_cancelled", "again")) == []  # absorbed
+    # a notice without a deadline (an older daemon, or ctx had heard) changes no deadline
+    old = TransferMachine(here={GEN})
+    old.handle(RankRegistered(GEN, deadline=60.0))
+    old.handle(FailReceived(CTX, "transfer_cancelled", "x"))
+    assert old.deadline == 60.0
+
+
 # --- duplicates, reordering, late messages -----------------------------------------------------
 
 

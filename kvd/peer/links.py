@@ -16,6 +16,7 @@ restarted) always replaces the old one (``peer.replaced``).
 from __future__ import annotations
 
 import contextlib
+from collections import deque
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -149,7 +150,7 @@ class PeerLinks:
         #: every peer that ever linked since start (a known peer even while its link is down)
         self.seen: set[str] = set()
         #: failure notices a transfer could not send while the link was down, sent on the next one
-        self.owed: dict[str, list[x.XferMessage]] = {}
+        self.owed: dict[str, deque[x.XferMessage]] = {}
         self.secret: bytes | None = None
         self.last_error: dict[str, str] = {}  # peer -> why its last connect failed
         self.attempts: dict[str, int] = {}  # peer -> failed connection attempts since its link was up
@@ -184,8 +185,18 @@ class PeerLinks:
         return ""
 
     def owe(self, node: str, msg: x.XferMessage) -> None:
-        """Send ``msg`` as soon as a link to ``node`` is up again."""
-        self.owed.setdefault(node, []).append(msg)
+        """Send ``msg`` as soon as a link to ``node`` is up again. At most
+        ``max_ended_requests`` notices wait per peer (each is an ended request's): beyond, the
+        oldest is dropped and logged, so a peer down for long cannot grow the daemon."""
+        owed = self.owed.get(node)
+        if owed is None:
+            owed = self.owed[node] = deque()
+        owed.append(msg)
+        limit = self.config.limits.max_ended_requests
+        if len(owed) > limit:
+            old = owed.popleft()
+            log.warning("peer.owed_dropped", node=node, request_id=old.request_id, type=type(old).__name__,
+                        limit=limit)
 
     def describe_missing(self, node: str) -> str:
         """Why there is no link to ``node`` (for error messages)."""
@@ -421,7 +432,7 @@ class PeerLinks:
             if dialing is not None:
                 dialing.cancel()
         self._link_up(link)
-        owed = self.owed.pop(node, [])
+        owed = self.owed.pop(node, deque())
         reasons: list[str] = []
         try:
             async with trio.open_nursery() as nursery:

@@ -14,12 +14,17 @@ Rules a caller can rely on:
 - one ``transfer.done`` or one ``transfer.failed`` per request and side, never both;
 - a side reports failure, and its blocks and slots go back, only once no write can land in
   them: an executor that disconnects leaves its blocks with the transfer until then;
-- finished requests do not count against the session's limits, waited for or not.
+- finished requests do not count against the session's limits, waited for or not;
+- an ended request someone may still ask about (a side that ended before all its ranks
+  registered, gen failed before ctx spoke, a gen side known only by ctx's failure notice) is
+  remembered until its deadline, at least ``remember_ended_s`` after it ended, at most
+  ``max_ended_requests`` of them: a late rank or message learns how it ended.
 """
 
 from __future__ import annotations
 
 import contextlib
+import heapq
 import math
 import time
 from functools import partial
@@ -63,9 +68,6 @@ _ROLE = {f.Role.CTX: "ctx", f.Role.GEN: "gen"}
 # the module and its class is two Python-level attribute lookups per use)
 _CTX, _GEN = f.Role.CTX, f.Role.GEN
 _IDLE, _REGISTERING = f.State.IDLE, f.State.REGISTERING
-#: How long a request that ended before all its ranks registered is remembered after its last
-#: executor let go: a late rank is told how it ended instead of starting a new request.
-TOMBSTONE_S = 10.0
 #: Ended requests a session may leave uncollected (never waited for) before the oldest are dropped.
 MAX_UNCOLLECTED = 1024
 
@@ -101,6 +103,12 @@ class Engine:
         self._deferred: list[Callable[[], None]] = []
         # (session, request) pairs answered by a side's report, collected after its replies
         self._collects: list[tuple[int, Transfer]] = []
+        # ended requests remembered for late ranks and messages: (forget at, seq, transfer), a
+        # heap served by one task (_expire_ended) whose sleep's deadline is moved, not woken,
+        # when an earlier one comes: a task per ended request cost ~45 us of scheduler work
+        self._ended: list[tuple[float, int, Transfer]] = []
+        self._ended_seq = 0
+        self._expiry: trio.CancelScope | None = None  # _expire_ended's sleep, while it sleeps
         self._env = Env(node=self.node, cfg=self.cfg, nixl=self._nixl, links=lambda: self.links,
                         staging=self._staging, on_report=self._on_report, after_report=self._after_report,
                         on_finished=self._on_finished,
@@ -132,6 +140,7 @@ class Engine:
                                            idle_max=0.05, wakeup=lambda: self._wake))
                 if self.busy_poll:
                     nursery.start_soon(self._busy_poll)
+                nursery.start_soon(self._expire_ended)
                 task_status.started()
         finally:
             with trio.CancelScope(shield=True):
@@ -487,8 +496,7 @@ class Engine:
             return
         # a side ended before all its ranks registered: a late rank still learns how it ended;
         # gen failed before ctx spoke up: ctx's offer, when it comes, is answered with the failure
-        assert self._nursery is not None
-        self._nursery.start_soon(self._forget_later, t)
+        self._remember(t)
 
     @staticmethod
     def _ctx_may_ask(t: Transfer) -> bool:
@@ -498,10 +506,43 @@ class Engine:
         return (f.Role.GEN in m_.here and not m_.local and m_.state(f.Role.GEN) is f.State.FAILED
                 and m_.state(f.Role.CTX) is f.State.IDLE)
 
-    async def _forget_later(self, t: Transfer) -> None:
-        await trio.sleep(TOMBSTONE_S)
+    def _remember(self, t: Transfer) -> None:
+        """Keep the ended ``t`` until its deadline, and at least ``remember_ended_s`` from now;
+        at most ``max_ended_requests`` of them: beyond, the one due first is forgotten now."""
+        now = trio.current_time()
+        until = remember_until(t.machine.deadline, now, self.cfg.remember_ended_s)
+        self._ended_seq += 1
+        heapq.heappush(self._ended, (until, self._ended_seq, t))
+        limit = self.daemon.config.limits.max_ended_requests
+        while len(self._ended) > limit:
+            due, _, old = heapq.heappop(self._ended)
+            if self._forget(old):
+                log.warning("transfer.forgotten_early", request_id=old.request_id, peer=old.peer,
+                            due_in_s=round(due - now, 3), limit=limit)
+        if self._expiry is not None and until < self._expiry.deadline:
+            self._expiry.deadline = until  # trio re-reads it: no wake-up
+
+    def _forget(self, t: Transfer) -> bool:
+        """Drop the remembered ``t`` (False: another request holds its key already)."""
         if self.transfers.get(t.key) is t:
             del self.transfers[t.key]
+            return True
+        return False
+
+    async def _expire_ended(self) -> None:
+        """Forget each remembered request when it is due (one task for all of them)."""
+        heap = self._ended
+        while True:
+            now = trio.current_time()
+            while heap and heap[0][0] <= now:
+                t = heapq.heappop(heap)[2]
+                if self._forget(t):
+                    log.debug("transfer.forgotten", request_id=t.request_id, peer=t.peer)
+            # no checkpoint from the test above to the sleep: _remember sees the scope
+            with trio.move_on_at(heap[0][0] if heap else math.inf) as scope:
+                self._expiry = scope
+                await trio.sleep_forever()
+            self._expiry = None
 
     # -- reports (called by transfers) ------------------------------------------------------
     def _on_report(self, t: Transfer, side: Side, c: m.Completion) -> None:
@@ -565,8 +606,9 @@ class Engine:
         """Route one transfer-control message from ``link`` into its transfer's inbox."""
         rid = msg.request_id
         t = self.transfers.get((link.node, rid))
-        if t is None and isinstance(msg, x.XferOffer | x.XferPath):
-            # a gen side that ended here without naming its peer (kept a while as a tombstone)
+        ctx_unheard = isinstance(msg, x.XferFail) and msg.sender == "ctx" and msg.deadline_s > 0
+        if t is None and (ctx_unheard or isinstance(msg, x.XferOffer | x.XferPath)):
+            # a gen side that ended here without naming its peer (remembered until its deadline)
             unmatched = self.transfers.get(("", rid))
             if unmatched is not None and unmatched.finished.is_set():
                 t = unmatched
@@ -585,9 +627,13 @@ class Engine:
                                DuplicateRequest(f"request {rid!r} already ran here; use a new request id"))
             return
         if t is None:
-            if isinstance(msg, x.XferOffer):
+            if isinstance(msg, x.XferOffer) or ctx_unheard:
+                # ctx's offer, or its failure before it heard from us (it had not offered, or
+                # its offer never came): gen ranks waiting for any offer take it; else a new
+                # gen side starts, so that the ranks that expect it later learn how it went
                 t = self._find(f.Role.GEN, rid, "")[1]
-                if t is not None and (t.peer == "" or t.peer == link.node) and f.Role.CTX not in t.machine.here:
+                if t is not None and (t.peer == "" or t.peer == link.node) and f.Role.CTX not in t.machine.here \
+                        and not t.finished.is_set():
                     self.transfers.pop(t.key, None)
                     t.peer = link.node
                     self.transfers[t.key] = t
@@ -638,3 +684,10 @@ class Engine:
         t = self.transfers.get((node, n.request_id)) if node else None
         if t is not None and not t.finished.is_set():
             t.post(n)
+
+
+def remember_until(deadline: float, now: float, at_least_s: float) -> float:
+    """When an ended request with ``deadline`` (``inf``: none known) is forgotten: at its
+    deadline, and no sooner than ``at_least_s`` after ``now`` (its end)."""
+    floor = now + at_least_s
+    return deadline if math.isfinite(deadline) and deadline > floor else floor

@@ -44,6 +44,7 @@ from protocol.errors import (
     TransferTimeout,
 )
 from protocol.layout import KVLayout
+from protocol.limits import MAX_DEADLINE_S
 
 if TYPE_CHECKING:
     from kvd.config import TransferConfig
@@ -543,7 +544,8 @@ class Transfer:
             role = f.Role(msg.sender) if msg.sender in ("ctx", "gen") else self._remote_role()
             if role is None:
                 return
-            self.feed(f.FailReceived(role, msg.code, msg.message, msg.writes_stopped))
+            self.feed(f.FailReceived(role, msg.code, msg.message, msg.writes_stopped,
+                                     deadline=self._deadline(msg.deadline_s), deadline_s=msg.deadline_s))
         # XferComplete: older daemons confirm a transfer; the data-done message already did
 
     def _on_credit(self, slots: list[int], kind: str) -> None:
@@ -644,8 +646,11 @@ class Transfer:
             return x.XferDone(request_id=rid, writes=a.writes, bytes=a.nbytes, chunks=chunks)
         if isinstance(a, f.SendFail):
             sender = next(iter(self.machine.here)).value
+            # unheard: the peer may not know the request; what is left of the deadline tells it
+            # how long to keep the failure for its ranks (at least a moment: 0 means "known")
+            left = min(max(self.machine.deadline - trio.current_time(), 1e-3), MAX_DEADLINE_S) if a.unheard else 0.0
             return x.XferFail(request_id=rid, code=a.code, message=a.message,
-                              writes_stopped=a.writes_stopped, sender=sender)
+                              writes_stopped=a.writes_stopped, sender=sender, deadline_s=left)
         raise InternalError(f"unexpected action {a!r}")
 
     def _pregrant(self) -> list[int]:
