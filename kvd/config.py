@@ -218,6 +218,19 @@ _ENV_OVERRIDES: dict[str, tuple[str, type]] = {
 }
 
 
+def env_source(setting: str, env: Mapping[str, str] | None = None) -> str:
+    """``VAR=value`` when the top-level ``setting`` (``socket_path``, ``peer_port``, ...) takes
+    its value from a ``KVD_*`` variable of ``env`` (default: this process's), else ``""``.
+
+    A startup error names the setting; when the value came from the environment, the file the
+    reader then opens shows another value, and the error alone does not explain itself."""
+    env = os.environ if env is None else env
+    for var, (field, _typ) in _ENV_OVERRIDES.items():
+        if field == setting and env.get(var, "") != "":
+            return f"{var}={env[var]}"
+    return ""
+
+
 def config_from_dict(data: Mapping[str, object], env: Mapping[str, str] | None = None) -> Config:
     """Build a :class:`Config` from a dict (parsed TOML) and apply env overrides."""
     env = os.environ if env is None else env

@@ -9,7 +9,11 @@ the tests synchronise on processes (their exit, kvctl's answer), never on time.
   ``--threads 0`` and a ``--gen-tokens-per-block`` that does not divide the ctx pool's (or
   that the ctx pool's does not divide) started both daemons and five executors before failing;
 - an executor of the model demo that the daemon refused (``IncompatibleLayout``) had its
-  traceback flattened into the one error line, burying the daemon's message.
+  traceback flattened into the one error line, burying the daemon's message;
+- ``KVD_SOCKET`` exported for kvctl (as the README's table allows) gave the ctx daemon the gen
+  daemon's socket: "another kvd is already serving on /tmp/x.sock", with ``socket_path =
+  "ctx.sock"`` in the file the newcomer then reads. A startup error about a setting that came
+  from a ``KVD_*`` variable now says so.
 """
 
 from __future__ import annotations
@@ -31,8 +35,10 @@ from kvd.demo.model import control as c
 from kvd.demo.model.daemons import start_daemons
 from kvd.demo.model.options import DemoOptions
 from kvd.demo.model.run import run_on_daemons
+from kvd.startup import EX_CONFIG
 from tests.test_demo_cli import kvd, usage_error
 from tests.test_kvctl import kvctl
+from tests.test_startup_errors import base_config, check_failure, serve
 
 
 def _clean_env() -> dict[str, str]:
@@ -140,3 +146,35 @@ def test_a_refused_executor_is_reported_without_its_traceback_and_a_bug_with_it(
     finally:
         ctx_d.stop()
         gen_d.stop()
+
+
+def test_a_socket_from_the_environment_says_so_when_it_is_taken(
+        daemon_factory: Callable[..., DaemonProcess], short_tmp: Path) -> None:
+    """The first daemon serves the socket KVD_SOCKET names; a second daemon, its file naming
+    another socket, gets the same one from the environment and exits (1, another daemon holds
+    it: not a configuration to fix)."""
+    first = daemon_factory({}, name="gen")
+    config = write_config(short_tmp, "ctx", base_config(short_tmp, node="ctx", socket_path=str(short_tmp / "ctx.sock")))
+    run = serve(config, env={"KVD_SOCKET": first.socket_path, "KVD_LOG_FORMAT": "json"})
+    check_failure(run, exit_code=1, setting="socket_path", contains=[
+        f"kvd: error: socket_path: another kvd is already serving on {first.socket_path}; stop that daemon first",
+        f"; socket_path came from the environment (KVD_SOCKET={first.socket_path}), which overrides the "
+        "configuration file: unset it to use the file's value"])
+    assert not (short_tmp / "ctx.sock").exists()
+
+
+def test_a_bad_value_from_the_environment_is_not_blamed_on_the_file(short_tmp: Path) -> None:
+    """``KVD_LOG_FORMAT=text``: the error used to read as if the file said so ("(in kvd.toml)")."""
+    config = write_config(short_tmp, "kvd", base_config(short_tmp))
+    run = serve(config, env={"KVD_LOG_FORMAT": "text"})
+    check_failure(run, exit_code=EX_CONFIG, setting="log_format", contains=[
+        "kvd: error: log_format: invalid enum value 'text' (one of: auto, console, json)",
+        "; log_format came from the environment (KVD_LOG_FORMAT=text), which overrides the configuration file"])
+
+
+def test_a_setting_the_file_gives_is_not_said_to_come_from_the_environment(short_tmp: Path) -> None:
+    """The note is for values the environment set, not for every error about an overridable key."""
+    config = write_config(short_tmp, "kvd", base_config(short_tmp, peer_port=70000))
+    run = serve(config, env={"KVD_LOG_FORMAT": "json"})
+    line = check_failure(run, exit_code=EX_CONFIG, setting="peer_port", contains=["must be a TCP port from 1 to 65535"])
+    assert "came from the environment" not in line, line
