@@ -103,15 +103,15 @@ def _report(error: StartupError, *, stage: str, cause: BaseException | None = No
     """One structured log line and one stderr line; returns the exit status."""
     import structlog
 
-    from kvd.config import env_source
+    from kvd.config import env_sources
 
     message = error.message
-    source = env_source(error.setting) if error.setting else ""
-    if source and source not in message:
-        # e.g. KVD_SOCKET exported for a client gives every daemon started from that shell one
-        # socket: "another kvd is already serving on it", with the file saying otherwise
-        message += (f"; {error.setting} came from the environment ({source}), which overrides the configuration "
-                    "file: unset it to use the file's value")
+    for key, source in env_sources(error.setting, error.message):
+        if source not in message:
+            # e.g. KVD_SOCKET exported for a client gives every daemon started from that shell
+            # one socket: "another kvd is already serving on it", with the file saying otherwise
+            message += (f"; {key} came from the environment ({source}), which overrides the configuration "
+                        "file: unset it to use the file's value")
     log = structlog.get_logger("kvd.server")
     fields = {"reason": message, "setting": error.setting or None, "code": error.code,
               "exc_info": cause if error.internal else None}

@@ -38,7 +38,7 @@ from kvd.demo.model.run import run_on_daemons
 from kvd.startup import EX_CONFIG
 from tests.test_demo_cli import kvd, usage_error
 from tests.test_kvctl import kvctl
-from tests.test_startup_errors import base_config, check_failure, serve
+from tests.test_startup_errors import base_config, check_failure, secret, serve
 
 
 def _clean_env() -> dict[str, str]:
@@ -178,3 +178,15 @@ def test_a_setting_the_file_gives_is_not_said_to_come_from_the_environment(short
     run = serve(config, env={"KVD_LOG_FORMAT": "json"})
     line = check_failure(run, exit_code=EX_CONFIG, setting="peer_port", contains=["must be a TCP port from 1 to 65535"])
     assert "came from the environment" not in line, line
+
+
+def test_a_node_from_the_environment_is_named_when_a_peer_has_that_name(short_tmp: Path) -> None:
+    """``KVD_NODE=gen`` exported while the ctx daemon's file lists peer ``gen``: the error is
+    about ``peers[0].name``, and the cause is the node the environment gave."""
+    config = write_config(short_tmp, "ctx", base_config(
+        short_tmp, node="ctx", peer_secret_file=secret(short_tmp),
+        peers=[{"name": "gen", "host": "127.0.0.1", "port": 17601}]))
+    run = serve(config, env={"KVD_NODE": "gen", "KVD_LOG_FORMAT": "json"})
+    check_failure(run, exit_code=EX_CONFIG, setting="peers[0].name", contains=[
+        "kvd: error: peers[0].name: peer name 'gen' is this daemon's own node",
+        "; node came from the environment (KVD_NODE=gen), which overrides the configuration file"])
