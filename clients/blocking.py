@@ -12,6 +12,7 @@ import contextlib
 import itertools
 import os
 import socket
+import struct
 import threading
 import time
 from collections.abc import Iterator
@@ -99,6 +100,21 @@ class Client:
     def close(self) -> None:
         """End the session (the daemon returns its leases)."""
         self._sock.close()
+
+    @property
+    def daemon_pid(self) -> int:
+        """The process id of the daemon this client is connected to: the process that listens
+        on the socket, from the kernel's peer credentials (``SO_PEERCRED``). 0 where the kernel
+        does not say (not Linux, or a daemon in a PID namespace this process cannot see)."""
+        option = getattr(socket, "SO_PEERCRED", None)
+        if option is None:
+            return 0
+        try:
+            cred = self._sock.getsockopt(socket.SOL_SOCKET, option, struct.calcsize("3i"))
+        except OSError:  # closed, or a socket kind without peer credentials
+            return 0
+        pid: int = struct.unpack("3i", cred)[0]
+        return max(pid, 0)
 
     # -- plumbing ---------------------------------------------------------------------------
     def _id(self) -> int:

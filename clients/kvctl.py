@@ -198,6 +198,13 @@ def run(args: argparse.Namespace) -> int:
     with Client(args.socket, client="kvctl", timeout=args.timeout) as kvd:
         cmd = args.command
         if cmd == "ping":
+            if getattr(args, "pid", None) is not None:
+                # `kvd serve ... & kvctl ping --wait 60 --pid $!` must not take another
+                # daemon's answer for the new one's: a second daemon on a socket that an
+                # older one still serves exits, and the older one answered the ping
+                served_by = kvd.daemon_pid
+                if served_by and not _descends_from(served_by, args.pid):
+                    raise _AnotherDaemon(served_by)
             t0 = time.perf_counter()
             kvd.ping(b"kvctl")
             rtt = (time.perf_counter() - t0) * 1e6
@@ -245,6 +252,14 @@ def run(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+class _AnotherDaemon(Exception):
+    """``ping --pid PID`` reached a daemon that is neither PID nor a process PID started."""
+
+    def __init__(self, pid: int) -> None:
+        super().__init__(pid)
+        self.pid = pid
+
+
 def _ping_until_up(args: argparse.Namespace) -> int:
     """``ping --wait``: a daemon that is still starting (no socket yet, or not accepting) is
     retried every 0.1 s until it answers or the time is up (then the last error, exit 3).
@@ -253,18 +268,49 @@ def _ping_until_up(args: argparse.Namespace) -> int:
     exits within a second with its reason on stderr, and without the pid the script sat out the
     whole ``--wait`` before it learnt anything."""
     deadline = time.monotonic() + args.wait
+    socket = args.socket or os.environ.get("KVD_SOCKET") or "/run/kvd/kvd.sock"
     while True:
         try:
             return run(args)
         except ConnectionClosed:
             if args.pid is not None and not _running(args.pid):
-                socket = args.socket or os.environ.get("KVD_SOCKET") or "/run/kvd/kvd.sock"
                 print(f"kvctl: kvd (pid {args.pid}) exited before it answered on {socket}: its stderr (or "
                       "log) ends with the one `kvd: error:` line that says why", file=sys.stderr)
                 return EXIT_UNREACHABLE
             if time.monotonic() >= deadline:
                 raise
+        except _AnotherDaemon as other:
+            # the daemon PID may still be starting (it checks the socket before it gives up):
+            # wait for it to exit or to take the socket over, as for a daemon not up yet
+            if not _running(args.pid):
+                print(f"kvctl: kvd (pid {args.pid}) exited before it answered on {socket}, and another kvd "
+                      f"(pid {other.pid}) serves that socket: pid {args.pid}'s stderr (or log) ends with the "
+                      f"`kvd: error:` line that says why; stop the daemon of pid {other.pid} first, or give "
+                      "the new one another socket_path", file=sys.stderr)
+                return EXIT_UNREACHABLE
+            if time.monotonic() >= deadline:
+                print(f"kvctl: the kvd answering on {socket} is pid {other.pid}, not pid {args.pid} (nor a "
+                      f"process it started), and pid {args.pid} did not answer within {args.wait:g} s",
+                      file=sys.stderr)
+                return EXIT_UNREACHABLE
         time.sleep(0.1)
+
+
+def _descends_from(pid: int, ancestor: int) -> bool:
+    """Whether process ``pid`` is ``ancestor`` or one it started (``sudo kvd serve &`` makes
+    ``$!`` the sudo, whose child is the daemon). True where /proc cannot tell: the check
+    must never turn a daemon that is up into one that is not."""
+    for _ in range(64):  # a process tree deeper than this is no wrapper chain
+        if pid == ancestor:
+            return True
+        if pid <= 1:
+            return False
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                pid = int(f.read().rpartition(b")")[2].split()[1])
+        except (OSError, IndexError, ValueError):
+            return True
+    return True
 
 
 def _running(pid: int) -> bool:
@@ -377,7 +423,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="retry until the daemon answers or SECONDS pass (scripts that start kvd)")
     p_ping.add_argument("--pid", type=_count, metavar="PID",
                         help="with --wait: the daemon's process id ($! after kvd serve ... &); stop waiting "
-                             "as soon as it has exited (a daemon that cannot start exits at once)")
+                             "as soon as it has exited (a daemon that cannot start exits at once); an answer from "
+                             "another daemon on that socket does not count")
     cancel_help = "cancel a request of any executor (operators only: root, the daemon's user, [access] operator_gids)"
     p_cancel = sub.add_parser("cancel", parents=[common], help=cancel_help,
                               description=cancel_help + "; its executors' waits raise TransferCancelled and a "

@@ -103,14 +103,23 @@ def _report(error: StartupError, *, stage: str, cause: BaseException | None = No
     """One structured log line and one stderr line; returns the exit status."""
     import structlog
 
+    from kvd.config import env_sources
+
+    message = error.message
+    for key, source in env_sources(error.setting, error.message):
+        if source not in message:
+            # e.g. KVD_SOCKET exported for a client gives every daemon started from that shell
+            # one socket: "another kvd is already serving on it", with the file saying otherwise
+            message += (f"; {key} came from the environment ({source}), which overrides the configuration "
+                        "file: unset it to use the file's value")
     log = structlog.get_logger("kvd.server")
-    fields = {"reason": error.message, "setting": error.setting or None, "code": error.code,
+    fields = {"reason": message, "setting": error.setting or None, "code": error.code,
               "exc_info": cause if error.internal else None}
     if stage == "startup":
         log.error("daemon.startup_failed", **fields)
     else:
         log.error("daemon.failed", **fields)
-    print(f"kvd: error: {error.message}", file=sys.stderr)
+    print(f"kvd: error: {message}", file=sys.stderr)
     return error.exit_code
 
 

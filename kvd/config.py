@@ -225,6 +225,28 @@ _ENV_OVERRIDES: dict[str, tuple[str, type]] = {
 }
 
 
+def env_source(setting: str, env: Mapping[str, str] | None = None) -> str:
+    """``VAR=value`` when the top-level ``setting`` (``socket_path``, ``peer_port``, ...) takes
+    its value from a ``KVD_*`` variable of ``env`` (default: this process's), else ``""``.
+
+    A startup error names the setting; when the value came from the environment, the file the
+    reader then opens shows another value, and the error alone does not explain itself."""
+    env = os.environ if env is None else env
+    for var, (field, _typ) in _ENV_OVERRIDES.items():
+        if field == setting and env.get(var, "") != "":
+            return f"{var}={env[var]}"
+    return ""
+
+
+def env_sources(setting: str, message: str, env: Mapping[str, str] | None = None) -> list[tuple[str, str]]:
+    """``(key, "VAR=value")`` for each top-level key a startup error is about that took its
+    value from the environment: ``setting`` itself, and any overridable key ``message`` names
+    as a word (a peer named as "this daemon's own node" is about ``node`` as much as about
+    ``peers[0].name``)."""
+    keys = [setting, *(f for f, _t in _ENV_OVERRIDES.values() if f != setting and re.search(rf"\b{f}\b", message))]
+    return [(key, source) for key in keys if (source := env_source(key, env))]
+
+
 def config_from_dict(data: Mapping[str, object], env: Mapping[str, str] | None = None) -> Config:
     """Build a :class:`Config` from a dict (parsed TOML) and apply env overrides."""
     env = os.environ if env is None else env

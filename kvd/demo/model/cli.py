@@ -12,6 +12,7 @@ from pathlib import Path
 from kvd.demo.model.options import AXIS_ORDERS, DemoOptions
 from kvd.demo.model.reference import LOGIT_TOLERANCE
 from kvd.demo.model.run import DemoReport, run_model_demo
+from kvd.demo.pair import positive_int
 
 
 def print_report(report: DemoReport) -> None:
@@ -51,6 +52,16 @@ def print_report(report: DemoReport) -> None:
             console.print(f"  {line}", soft_wrap=True)
 
 
+def _tokens_or_zero(text: str) -> int:
+    """An argparse type for ``--gen-tokens-per-block``: 0 (the ctx pool's) or at least 1."""
+    try:
+        if int(text) == 0:
+            return 0
+    except ValueError:
+        pass  # positive_int says what is wrong with it
+    return positive_int(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The options of ``kvd demo --model``."""
     parser = argparse.ArgumentParser(
@@ -65,9 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", choices=sorted(LOGIT_TOLERANCE), default="float32",
                         help="weights and KV cache dtype (default float32; arithmetic is float32)")
     parser.add_argument("--prompts", default="5,16,37,90,130", help="prompt lengths, comma-separated (default 5,16,37,90,130)")
-    parser.add_argument("--new-tokens", type=int, default=24, help="tokens each gen decode produces (default 24)")
-    parser.add_argument("--tokens-per-block", type=int, default=16, help="tokens per block of the ctx pool (default 16)")
-    parser.add_argument("--gen-tokens-per-block", type=int, default=0,
+    parser.add_argument("--new-tokens", type=positive_int, default=24, help="tokens each gen decode produces (default 24)")
+    parser.add_argument("--tokens-per-block", type=positive_int, default=16, help="tokens per block of the ctx pool (default 16)")
+    parser.add_argument("--gen-tokens-per-block", type=_tokens_or_zero, default=0,
                         help="tokens per block of the gen pools (default: the ctx pool's; one must divide the other)")
     parser.add_argument("--no-mapped", dest="mapped", action="store_false",
                         help="move KV over NIXL instead of the same-node mapped path")
@@ -75,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="axis order of the gen pools (default trtllm; the ctx pool is TensorRT-LLM's)")
     parser.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto",
                         help="torch.distributed backend of the gen TP group (default auto: nccl when each gen rank has a GPU of its own, else gloo)")
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads per executor (default 1)")
+    parser.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads per executor (default 1)")
     parser.add_argument("--keep", action="store_true", help="keep the work directory (configs, logs)")
     return parser
 
@@ -88,8 +99,14 @@ def main(argv: list[str] | None = None) -> int:
         lengths = tuple(int(x) for x in args.prompts.split(",") if x.strip())
     except ValueError:
         parser.error(f"--prompts: comma-separated token counts expected, got {args.prompts!r}")
-    if not lengths or min(lengths) < 1 or args.new_tokens < 1:
-        parser.error("every prompt needs at least one token, and --new-tokens at least 1")
+    if not lengths or min(lengths) < 1:
+        parser.error("every prompt needs at least one token")
+    ctx_tpb, gen_tpb = args.tokens_per_block, args.gen_tokens_per_block or args.tokens_per_block
+    if max(ctx_tpb, gen_tpb) % min(ctx_tpb, gen_tpb):
+        # the daemons would refuse every request with IncompatibleLayout, after starting five
+        # executors: say it here, as the usage error it is
+        parser.error(f"--gen-tokens-per-block {gen_tpb} and --tokens-per-block {ctx_tpb}: one must divide "
+                     "the other")
     opts = DemoOptions(gen_tp=args.gen_tp, order=args.order, device=args.device, dtype=args.dtype,
                        prompt_lengths=lengths, new_tokens=args.new_tokens, tokens_per_block=args.tokens_per_block,
                        gen_tokens_per_block=args.gen_tokens_per_block,

@@ -126,8 +126,12 @@ def run_worker(name: str, conn: Connection, body: Callable[[], None]) -> None:
     try:
         body()
     except BaseException as exc:
+        # a daemon's refusal (a KvdError) says all there is in its message; its traceback,
+        # flattened into the driver's one error line, only buried it. Anything else is a bug
+        # in the executor, and there the traceback is what finds it.
+        trace = "" if isinstance(exc, KvdError) else traceback.format_exc()
         with contextlib.suppress(OSError):  # the driver may be gone (that is why recv failed)
-            conn.send(Failed(name, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+            conn.send(Failed(name, f"{type(exc).__name__}: {exc}", trace))
         conn.close()
         raise SystemExit(1) from None
 
@@ -169,7 +173,7 @@ def collect(
                 except EOFError:
                     raise WorkerFailed(f"{name} closed its pipe before sending {want.__name__}") from None
                 if isinstance(msg, Failed):
-                    raise WorkerFailed(f"{msg.worker} failed: {msg.error}\n{msg.trace}")
+                    raise WorkerFailed(f"{msg.worker} failed: {msg.error}" + (f"\n{msg.trace}" if msg.trace else ""))
                 if not isinstance(msg, want):
                     raise WorkerFailed(f"{name} sent {type(msg).__name__}, expected {want.__name__}")
                 got[name] = msg
