@@ -348,6 +348,8 @@ class Daemon:
             pools=self.pool_infos(),
             busy_poll=engine.busy_poll if engine else False,
             busy_poll_passes=engine.busy_passes if engine else 0,
+            transfer_actors=engine.actors_started if engine else 0,
+            transfer_tasks=engine.tasks_started if engine else 0,
         )
 
     # -- lifecycle --------------------------------------------------------------------------

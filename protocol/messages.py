@@ -117,6 +117,10 @@ class DaemonStats(msgspec.Struct, frozen=True, kw_only=True):
     pools: list[PoolInfo] = []
     busy_poll: bool = False  # the event loop spins while requests are pending (transfer.busy_poll)
     busy_poll_passes: int = 0  # scheduler passes spun so far (stays put while nothing is pending)
+    # tasks the transfers started so far: actors (a request whose events or actions had to
+    # wait) and data-path tasks; a request handled in its callers' steps starts neither
+    transfer_actors: int = 0
+    transfer_tasks: int = 0
 
 
 # --- requests (client → daemon) ----------------------------------------------------------

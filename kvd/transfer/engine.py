@@ -53,7 +53,7 @@ from protocol.errors import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Awaitable, Callable
 
     from kvd.daemon import Daemon
     from kvd.executor.session import Session
@@ -88,8 +88,7 @@ class Engine:
         self._nursery: trio.Nursery | None = None
         self._running = 0
         self._live: set[Transfer] = set()
-        self._idle = trio.Event()
-        self._idle.set()
+        self._idle: trio.Event | None = None  # what wait_idle waits on, made when it first waits
         self._busy_ev = trio.Event()  # set while a request is unfinished: the busy poll spins
         self.busy_poll = self.cfg.busy_poll_on()
         self.busy_passes = 0  # scheduler passes the busy poll spun (Stats.busy_poll_passes)
@@ -109,10 +108,21 @@ class Engine:
         self._ended: list[tuple[float, int, Transfer]] = []
         self._ended_seq = 0
         self._expiry: trio.CancelScope | None = None  # _expire_ended's sleep, while it sleeps
+        # the deadlines of transfers with no actor task (most never start one): (due, seq,
+        # transfer), a heap served by one task (_watch_deadlines) as _ended is. Entries are not
+        # removed when a transfer ends or its actor starts (it is skipped when due); the heap is
+        # compacted when it doubles, so ended transfers are not held until their deadlines
+        self._deadlines: list[tuple[float, int, Transfer]] = []
+        self._deadlines_seq = 0
+        self._deadlines_limit = 64
+        self._deadline_sleep: trio.CancelScope | None = None  # _watch_deadlines' sleep, while it sleeps
+        self.actors_started = 0  # transfers' actor tasks started (Stats.transfer_actors)
+        self.tasks_started = 0  # transfers' data-path tasks started (Stats.transfer_tasks)
         self._env = Env(node=self.node, cfg=self.cfg, nixl=self._nixl, links=lambda: self.links,
                         staging=self._staging, on_report=self._on_report, after_report=self._after_report,
                         on_finished=self._on_finished,
-                        on_nixl=self._on_nixl, after_reply=self._defer)
+                        on_nixl=self._on_nixl, after_reply=self._defer, spawn=self._spawn,
+                        watch=self._watch_deadline)
 
     # -- lifecycle --------------------------------------------------------------------------
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -141,6 +151,7 @@ class Engine:
                 if self.busy_poll:
                     nursery.start_soon(self._busy_poll)
                 nursery.start_soon(self._expire_ended)
+                nursery.start_soon(self._watch_deadlines)
                 task_status.started()
         finally:
             with trio.CancelScope(shield=True):
@@ -182,6 +193,8 @@ class Engine:
     async def wait_idle(self) -> None:
         """Return once no transfer is running."""
         while self._running:
+            if self._idle is None:
+                self._idle = trio.Event()
             await self._idle.wait()
 
     async def flush_links(self) -> None:
@@ -360,10 +373,51 @@ class Engine:
         self.transfers[t.key] = t
         self._live.add(t)
         self._running += 1
-        self._idle = trio.Event()
-        self._busy_ev.set()
-        self._nursery.start_soon(t.run)
+        if self.busy_poll:
+            self._busy_ev.set()
+        # no task yet: the transfer starts its actor if something must wait (_spawn)
         return t
+
+    def _spawn(self, fn: Callable[[], Awaitable[None]], actor: bool) -> None:
+        """Start a transfer's task (its ``actor``, or a data-path task) in the engine's nursery."""
+        assert self._nursery is not None
+        if actor:
+            self.actors_started += 1
+        else:
+            self.tasks_started += 1
+        self._nursery.start_soon(fn)
+
+    def _watch_deadline(self, t: Transfer) -> None:
+        """``t``'s deadline moved while no actor watches it: the timer task tells it when due."""
+        due = t.machine.deadline
+        if not math.isfinite(due):
+            return
+        heap = self._deadlines
+        if len(heap) >= self._deadlines_limit:
+            heap[:] = [e for e in heap if not e[2].finished.is_set()]
+            heapq.heapify(heap)
+            self._deadlines_limit = max(64, 2 * len(heap))
+        self._deadlines_seq += 1
+        heapq.heappush(heap, (due, self._deadlines_seq, t))
+        if self._deadline_sleep is not None and due < self._deadline_sleep.deadline:
+            self._deadline_sleep.deadline = due  # trio re-reads it: no wake-up
+
+    async def _watch_deadlines(self) -> None:
+        """Tell each transfer with no actor when its deadline is due (one task for all of them)."""
+        heap = self._deadlines
+        while True:
+            now = trio.current_time()
+            while heap and heap[0][0] <= now:
+                t = heapq.heappop(heap)[2]
+                try:
+                    t.deadline_passed()
+                except Exception:  # a bug: that request is not expired, the engine serves on
+                    log.exception("transfer.internal_error", request_id=t.request_id)
+            # no checkpoint from the test above to the sleep: _watch_deadline sees the scope
+            with trio.move_on_at(heap[0][0] if heap else math.inf) as scope:
+                self._deadline_sleep = scope
+                await trio.sleep_forever()
+            self._deadline_sleep = None
 
     def _on_nixl(self, t: Transfer) -> None:
         """``t`` moves bytes over NIXL: the poller spins (woken at once if it sleeps) until it ends."""
@@ -597,8 +651,11 @@ class Engine:
         self._nixl_live.discard(t)
         self._running -= 1
         if self._running == 0:
-            self._idle.set()
-            self._busy_ev = trio.Event()
+            if self._idle is not None:  # someone waits (a drain)
+                self._idle.set()
+                self._idle = None
+            if self.busy_poll:
+                self._busy_ev = trio.Event()
         self._maybe_forget(t)
 
     # -- peer links (called by PeerLinks) ---------------------------------------------------
