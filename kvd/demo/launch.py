@@ -184,8 +184,8 @@ class WarmInterpreters:
     """Up to ``size`` interpreters started ahead (``python -m kvd.demo.warm``, torch imported),
     each waiting to become the next daemon :func:`start_daemon` starts.
 
-    They are started once a daemon has been asked for, and topped up after each (:meth:`refill`):
-    a run that starts no daemon starts none. ``size=2`` covers a ctx/gen pair. :meth:`close`
+    They are started once a daemon has been asked for, and again once all are taken
+    (:meth:`refill`): a run that starts no daemon starts none. ``size=2`` covers a ctx/gen pair. :meth:`close`
     ends the idle ones (they also end by themselves when their stdin closes)."""
 
     def __init__(self, size: int = 2) -> None:
@@ -226,11 +226,13 @@ class WarmInterpreters:
         return taken
 
     def refill(self) -> None:
-        """Top the idle ones up to ``size``. :func:`start_daemon` calls it once its daemon is
-        ready (or failed), so that the next ones' ``import torch`` does not compete with this
-        daemon's start-up for the CPU."""
-        while len(self._idle) < self.size:
-            self._spawn()
+        """Once none is idle, start ``size`` more. :func:`start_daemon` calls it once its daemon
+        is ready (or failed), so that the next ones' ``import torch`` does not compete with this
+        daemon's start-up for the CPU; and only once all are taken, so that the second daemon
+        of a pair does not compete with the replacement of the first."""
+        if not self._idle:
+            while len(self._idle) < self.size:
+                self._spawn()
 
     def close(self) -> None:
         for warm in self._idle:
