@@ -13,14 +13,6 @@ import pytest
 
 # Tests talk to loopback only: UCX would otherwise also use the machine's other interfaces.
 os.environ["UCX_NET_DEVICES"] = "lo"
-# UCX's default ("bistro") memory hooks rewrite the code of 8 libc functions when a process
-# creates its first agent, waiting 50 ms of grace after each: 0.34 of a daemon's 1.73 s from
-# spawn to READY=1 on a 2-core box, paid by every daemon the suite starts. "reloc" hooks the
-# same calls through the symbol tables and costs nothing. Only where no NVIDIA device exists:
-# there UCX moves host memory over tcp/shared memory, which registers nothing a missed hook
-# could leave stale; a GPU machine keeps UCX's default, as a real node runs it.
-if not os.path.exists("/dev/nvidiactl"):
-    os.environ.setdefault("UCX_MEM_MMAP_HOOK_MODE", "reloc")
 
 from kvd.demo.launch import DaemonProcess, start_daemon, use_warm_interpreters
 
@@ -39,7 +31,7 @@ def multigpu_skip_reason(need: int, have: int) -> str | None:
 
 def pytest_configure(config: pytest.Config) -> None:
     """Daemons start in interpreters that imported torch ahead (kvd.demo.launch.WarmInterpreters):
-    READY=1 in ~0.35 s instead of ~1.4 s, over the few hundred daemons the suite starts.
+    READY=1 in ~0.8 s instead of ~1.7 s, over the few hundred daemons the suite starts.
     ``KVD_TEST_WARM=0`` starts each in a fresh ``python -m kvd`` (N: N kept ready; 2 by default,
     a ctx/gen pair)."""
     use_warm_interpreters(int(os.environ.get("KVD_TEST_WARM", "2")))
