@@ -4,10 +4,16 @@ Used by ``kvd demo``, the benchmarks and the integration tests. Readiness is obs
 way systemd observes it: the launcher binds an ``AF_UNIX`` datagram socket, passes it as
 ``NOTIFY_SOCKET`` and waits for ``READY=1`` (never a sleep). The ready ``STATUS=`` line
 carries the peer-link port the daemon bound.
+
+With :func:`use_warm_interpreters` (the test suite turns it on) a daemon is started in an
+interpreter that has already imported torch (:mod:`kvd.demo.warm`), where its environment and
+working directory allow: READY=1 comes ~1 s sooner, the daemon itself being the same
+``kvd serve`` run from its first line of configuration on.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -148,6 +154,141 @@ def _toml_value(value: Any) -> str:
     raise TypeError(f"cannot write {value!r} as TOML")
 
 
+#: Environment keys only read once ``kvd serve`` runs (by the configuration, the notifier,
+#: UCX and NIXL when the agent is made; pytest's own marker), never by the interpreter or by
+#: ``import torch``: a warm interpreter takes them from the request. Any other difference from
+#: the environment it was started with, and the daemon gets a fresh interpreter.
+LATE_ENV = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "KVD_", "UCX_", "NIXL_", "PYTEST_CURRENT_TEST")
+
+
+def _early(env: Mapping[str, str]) -> dict[str, str]:
+    return {k: v for k, v in env.items() if not k.startswith(LATE_ENV)}
+
+
+def _base_env(env: Mapping[str, str] | None) -> dict[str, str]:
+    """The environment :func:`start_daemon` gives a daemon, less ``NOTIFY_SOCKET``."""
+    full_env = dict(os.environ if env is None else env)
+    full_env.setdefault("UCX_NET_DEVICES", "lo")
+    full_env.setdefault("PYTHONUNBUFFERED", "1")
+    return full_env
+
+
+@dataclass
+class _Warm:
+    proc: subprocess.Popen[bytes]
+    early_env: dict[str, str]
+    cwd: str
+
+
+class WarmInterpreters:
+    """Up to ``size`` interpreters started ahead (``python -m kvd.demo.warm``, torch imported),
+    each waiting to become the next daemon :func:`start_daemon` starts.
+
+    They are started once a daemon has been asked for, and again once all are taken
+    (:meth:`refill`): a run that starts no daemon starts none. ``size=2`` covers a ctx/gen pair. :meth:`close`
+    ends the idle ones (they also end by themselves when their stdin closes)."""
+
+    def __init__(self, size: int = 2) -> None:
+        self.size = size
+        self._idle: list[_Warm] = []
+
+    def _spawn(self) -> None:
+        env = _base_env(None)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvd.demo.warm"],
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        self._idle.append(_Warm(proc, _early(env), os.getcwd()))
+
+    def take(self, env: Mapping[str, str]) -> subprocess.Popen[bytes] | None:
+        """An interpreter started with ``env`` (up to :data:`LATE_ENV`) in this working
+        directory: an idle one, else one started now if this process's environment is ``env``
+        (it imports torch first, as a fresh daemon would); None if neither."""
+        early, cwd = _early(env), os.getcwd()
+        now = _early(_base_env(None))
+        taken: subprocess.Popen[bytes] | None = None
+        for warm in list(self._idle):
+            if warm.proc.poll() is not None:  # died while warming: never hand it out
+                self._idle.remove(warm)
+                _end(warm.proc)
+            elif taken is None and warm.early_env == early and warm.cwd == cwd:
+                self._idle.remove(warm)
+                taken = warm.proc
+        for warm in [w for w in self._idle if w.early_env != now or w.cwd != cwd]:
+            self._idle.remove(warm)  # started under an environment this process no longer has
+            _end(warm.proc)
+        if taken is None and early == now:
+            self._spawn()
+            taken = self._idle.pop().proc
+        return taken
+
+    def refill(self) -> None:
+        """Once none is idle, start ``size`` more. :func:`start_daemon` calls it once its daemon
+        is ready (or failed), so that the next ones' ``import torch`` does not compete with this
+        daemon's start-up for the CPU; and only once all are taken, so that the second daemon
+        of a pair does not compete with the replacement of the first."""
+        if not self._idle:
+            while len(self._idle) < self.size:
+                self._spawn()
+
+    def close(self) -> None:
+        for warm in self._idle:
+            _end(warm.proc)
+        self._idle.clear()
+
+
+def _end(proc: subprocess.Popen[bytes]) -> None:
+    """End an idle interpreter: it holds nothing (it may still be importing torch, and reads
+    its stdin only after that, so closing stdin alone could take a second)."""
+    proc.kill()
+    proc.wait()
+    if proc.stdin is not None:
+        proc.stdin.close()
+
+
+_warm: WarmInterpreters | None = None
+
+
+def use_warm_interpreters(size: int) -> None:
+    """Start daemons in warm interpreters (``size`` kept ready) from now on; 0 ends the ones
+    idle and goes back to a fresh ``python -m kvd serve`` per daemon."""
+    global _warm
+    if _warm is not None:
+        _warm.close()
+    _warm = WarmInterpreters(size) if size > 0 else None
+
+
+def _spawn_daemon(argv: list[str], env: dict[str, str], log_path: str,
+                  stdout: IO[bytes] | None) -> subprocess.Popen[bytes]:
+    """``python -m kvd <argv>`` with its output in ``log_path`` (or ``stdout``): in a warm
+    interpreter when one matches, else a fresh one."""
+    log_file = open(log_path, "wb")  # noqa: SIM115 - handed to the child
+    try:
+        if _warm is not None and stdout is None:
+            proc = _warm.take(env)
+            if proc is not None and proc.stdin is not None:
+                request = {"argv": argv, "env": env, "log": log_path, "late": list(LATE_ENV)}
+                try:
+                    proc.stdin.write(json.dumps(request).encode() + b"\n")
+                    proc.stdin.close()
+                    return proc
+                except OSError:  # it died between the check and the write: a fresh one
+                    proc.kill()
+                    proc.wait()
+        return subprocess.Popen(
+            [sys.executable, "-m", "kvd", *argv],
+            env=env,
+            stdout=stdout or log_file,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
+    finally:
+        log_file.close()
+
+
 def start_daemon(
     config: Mapping[str, Any],
     *,
@@ -167,30 +308,24 @@ def start_daemon(
     notify_path = tempfile.mktemp(prefix=f"{name}-notify-", suffix=".sock", dir=workdir)
     notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     notify.bind(notify_path)
-    full_env = dict(os.environ if env is None else env)
+    full_env = _base_env(env)
     full_env["NOTIFY_SOCKET"] = notify_path
-    full_env.setdefault("UCX_NET_DEVICES", "lo")
-    full_env.setdefault("PYTHONUNBUFFERED", "1")
     log_path = str(workdir / f"{name}.log")
-    log_file = open(log_path, "wb")  # noqa: SIM115 - handed to the child
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvd", "serve", "--config", config_path],
-        env=full_env,
-        stdout=stdout or log_file,
-        stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
-    )
-    log_file.close()
+    proc = _spawn_daemon(["serve", "--config", config_path], full_env, log_path, stdout)
     daemon = DaemonProcess(proc, str(cfg["socket_path"]), 0, config_path, notify, log_path)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for msg in daemon.read_notify(0.05):
-            if "READY=1" in msg.split("\n"):
-                match = re.search(r"peer port (\d+)", msg)
-                daemon.peer_port = int(match.group(1)) if match else 0
-                return daemon
-        if proc.poll() is not None:
-            notify.close()
-            raise LaunchError(f"kvd {name} exited with {proc.returncode} before READY:\n{daemon.log()[-4000:]}")
-    daemon.kill()
-    raise LaunchError(f"kvd {name} not ready within {timeout}s:\n{daemon.log()[-4000:]}")
+    try:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for msg in daemon.read_notify(0.05):
+                if "READY=1" in msg.split("\n"):
+                    match = re.search(r"peer port (\d+)", msg)
+                    daemon.peer_port = int(match.group(1)) if match else 0
+                    return daemon
+            if proc.poll() is not None:
+                notify.close()
+                raise LaunchError(f"kvd {name} exited with {proc.returncode} before READY:\n{daemon.log()[-4000:]}")
+        daemon.kill()
+        raise LaunchError(f"kvd {name} not ready within {timeout}s:\n{daemon.log()[-4000:]}")
+    finally:
+        if _warm is not None:
+            _warm.refill()
