@@ -86,7 +86,8 @@ class PeerInfo(msgspec.Struct, frozen=True, kw_only=True):
     """One peer daemon: a live link, or a configured peer not connected (yet)."""
 
     node: str
-    state: str  # "up" (authenticated link) | "connecting" (configured, no link: retrying)
+    state: str  # "up" (authenticated link) | "connecting" (configured, no link: retrying) | "down"
+    # (an unconfigured peer that had dialled us: its link went down, it has not dialled again)
     direction: str  # "outgoing" (this daemon dialled the link, or dials it) | "incoming" (the peer dialled it)
     remote: str = ""  # host:port
     last_heard_s: float = -1.0  # seconds since the last frame (heartbeat or any message); -1 = never

@@ -673,3 +673,39 @@ def test_cancel_any_sessions_request_as_operator(pair: tuple[DaemonProcess, Daem
         assert kvctl("cancel", socket=gen_d.socket_path).returncode == 2  # the id is required
     finally:
         gen.close()
+
+
+def test_a_peer_whose_link_went_down_stays_listed(daemon_factory: Callable[..., DaemonProcess],
+                                                   short_tmp: Path) -> None:
+    """A link that was up and went down (the peer killed): the dialled side lists the peer as
+    ``down`` (incoming, it does not dial back) instead of dropping it, the dialling side as
+    ``connecting`` with when it last heard from it instead of "never"; both say the link was
+    lost. A peer that dials again is ``up`` once more."""
+    from kvd.demo.pair import write_secret
+
+    secret = write_secret(short_tmp)
+    gen_d = daemon_factory({"peer_secret_file": secret}, name="gen")
+    ctx_cfg = {"node": "ctx", "peer_secret_file": secret,  # node: the same name for ctx2 and ctx3
+               "peers": [{"name": "gen", "host": "127.0.0.1", "port": gen_d.peer_port}]}
+    ctx_d = daemon_factory(ctx_cfg, name="ctx")
+    with Client(gen_d.socket_path, client="watch-gen", timeout=10) as gen:
+        _until(lambda: [p for p in gen.peers() if p.state == "up"], "ctx's link on the gen side")
+        ctx_d.kill()
+        (down,) = _until(lambda: [p for p in gen.peers() if p.state == "down"], "gen noticing the link went down")
+        assert (down.node, down.direction) == ("ctx", "incoming") and down.last_heard_s >= 0
+        assert down.error.startswith("link lost: "), down
+        run = kvctl("peers", socket=gen_d.socket_path)
+        assert run.returncode == 0 and run.stdout.splitlines()[2].split()[:3] == ["ctx", "down", "incoming"]
+        again = daemon_factory(ctx_cfg, name="ctx2")  # the same node name: ctx dials again
+        try:
+            (up,) = _until(lambda: [p for p in gen.peers() if p.state == "up"], "ctx dialling again")
+            assert up.node == "ctx" and up.error == ""
+        finally:
+            again.stop()
+    ctx_d = daemon_factory(ctx_cfg, name="ctx3")
+    with Client(ctx_d.socket_path, client="watch-ctx", timeout=10) as ctx:
+        _until(lambda: [p for p in ctx.peers() if p.state == "up"], "the link ctx -> gen")
+        gen_d.kill()
+        (lost,) = _until(lambda: [p for p in ctx.peers() if p.state == "connecting"], "ctx noticing gen is gone")
+        assert (lost.node, lost.direction) == ("gen", "outgoing") and lost.last_heard_s >= 0, lost
+        assert lost.error, lost  # the link lost, or the first dial after it refused

@@ -1,4 +1,5 @@
-"""The peers view for ``kvctl peers``: live links and configured peers that are not connected.
+"""The peers view for ``kvctl peers``: live links, configured peers that are not connected, and
+peers whose link went down (an incoming one stays listed, ``down``, until it dials again).
 
 Read from the engine's peer links on the trio thread (no locking: the answer is one snapshot
 between two awaits). A configured peer without a link shows why its last attempt failed.
@@ -40,15 +41,31 @@ def peer_infos(config: Config, engine: Engine | None) -> list[m.PeerInfo]:
             transfers_active=active.get(node, 0),
             mapped=bool(link.mapped),
         )
+    lost = links.lost if links is not None else {}
     for node, remote in configured.items():
         if node not in out:
+            gone = lost.get(node)
+            error = links.last_error.get(node, "") if links is not None else "peer links are not running"
             out[node] = m.PeerInfo(
                 node=node,
                 state="connecting",
                 direction="outgoing",
                 remote=remote,
+                # heard from before its link went down: when, and why it went (until a dial fails)
+                last_heard_s=max(0.0, now - gone.last_received) if gone is not None else -1.0,
                 transfers_active=active.get(node, 0),
-                error=links.last_error.get(node, "") if links is not None else "peer links are not running",
+                error=error or (f"link lost: {gone.reason}" if gone is not None else ""),
                 attempts=links.attempts.get(node, 0) if links is not None else 0,
+            )
+    for node, gone in lost.items():
+        if node not in out:  # a peer that dialled us: we do not dial it back, it should
+            out[node] = m.PeerInfo(
+                node=node,
+                state="down",
+                direction="incoming" if gone.incoming else "outgoing",
+                remote=gone.remote,
+                last_heard_s=max(0.0, now - gone.last_received),
+                transfers_active=active.get(node, 0),
+                error=f"link lost: {gone.reason}",
             )
     return [out[node] for node in sorted(out)]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import deque
+from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -125,6 +126,16 @@ class PeerLink:
             raise PeerUnavailable(f"link to peer {self.node} is broken: {exc}") from None
 
 
+@dataclass(frozen=True)
+class LostLink:
+    """A peer's link that went down and has not come back (for ``kvctl peers``)."""
+
+    last_received: float  # trio clock of its last frame
+    reason: str  # why it went down
+    remote: str  # host:port it had
+    incoming: bool  # the peer had dialled it
+
+
 class PeerLinks:
     """Owns every peer link of the daemon; delivers what arrives to the handlers it was given."""
 
@@ -153,6 +164,10 @@ class PeerLinks:
         self.owed: dict[str, deque[x.XferMessage]] = {}
         self.secret: bytes | None = None
         self.last_error: dict[str, str] = {}  # peer -> why its last connect failed
+        #: peers whose link went down and has not come back: what ``kvctl peers`` shows for them
+        #: (a lost incoming link would otherwise vanish from the list, an outgoing one say
+        #: "last heard: never"); only peers that authenticated get here, so it stays small
+        self.lost: dict[str, LostLink] = {}
         self.attempts: dict[str, int] = {}  # peer -> failed connection attempts since its link was up
         self.pending = 0  # accepted peer-port connections not yet authenticated
         self._changed = trio.Event()  # set (and replaced) whenever a link comes up
@@ -424,6 +439,7 @@ class PeerLinks:
             self.links[node] = link
         self.seen.add(node)
         self.last_error.pop(node, None)
+        self.lost.pop(node, None)
         self._changed.set()
         self._changed = trio.Event()
         log.info("peer.connected", node=node, remote=conn.remote_addr, nixl_agent=agent, dialled_by=dialled_by)
@@ -457,9 +473,12 @@ class PeerLinks:
                 nursery.cancel_scope.cancel()
         finally:
             with trio.CancelScope(shield=True):
+                reason = link.superseded or (reasons[0] if reasons else "daemon shutting down")
                 if self.links.get(node) is link:
                     del self.links[node]
-                reason = link.superseded or (reasons[0] if reasons else "daemon shutting down")
+                    self.lost[node] = LostLink(last_received=conn.last_received, reason=clip_text(reason),
+                                               remote=conn.remote_addr,
+                                               incoming=link.dialled_by == node)
                 # a duplicate closed by either side is the pair settling, not a fault
                 level = log.info if DUPLICATE_LINK in reason else log.warning
                 level("peer.disconnected", node=node, reason=clip_text(reason))
