@@ -24,7 +24,6 @@ Rules a caller can rely on:
 from __future__ import annotations
 
 import contextlib
-import heapq
 import math
 import time
 from functools import partial
@@ -36,6 +35,7 @@ import trio
 
 from kvd.config import usable_cpus
 from kvd.transfer.requests import Side, add_registration
+from kvd.transfer.timers import DueHeap
 from kvd.transfer.transfer import Env, Transfer
 from protocol import messages as m
 from protocol import transfer as x
@@ -102,20 +102,15 @@ class Engine:
         self._deferred: list[Callable[[], None]] = []
         # (session, request) pairs answered by a side's report, collected after its replies
         self._collects: list[tuple[int, Transfer]] = []
-        # ended requests remembered for late ranks and messages: (forget at, seq, transfer), a
-        # heap served by one task (_expire_ended) whose sleep's deadline is moved, not woken,
-        # when an earlier one comes: a task per ended request cost ~45 us of scheduler work
-        self._ended: list[tuple[float, int, Transfer]] = []
-        self._ended_seq = 0
-        self._expiry: trio.CancelScope | None = None  # _expire_ended's sleep, while it sleeps
-        # the deadlines of transfers with no actor task (most never start one): (due, seq,
-        # transfer), a heap served by one task (_watch_deadlines) as _ended is. Entries are not
-        # removed when a transfer ends or its actor starts (it is skipped when due); the heap is
-        # compacted when it doubles, so ended transfers are not held until their deadlines
-        self._deadlines: list[tuple[float, int, Transfer]] = []
-        self._deadlines_seq = 0
+        # ended requests remembered for late ranks and messages, by when they are forgotten
+        # (one task for all: _expire_ended)
+        self._ended: DueHeap[Transfer] = DueHeap()
+        # the deadlines of transfers with no actor task (most never start one), served by one
+        # task (_watch_deadlines). Entries are not removed when a transfer ends or its actor
+        # starts (it is skipped when due); the heap is compacted when it doubles, so ended
+        # transfers are not held until their deadlines
+        self._deadlines: DueHeap[Transfer] = DueHeap()
         self._deadlines_limit = 64
-        self._deadline_sleep: trio.CancelScope | None = None  # _watch_deadlines' sleep, while it sleeps
         self.actors_started = 0  # transfers' actor tasks started (Stats.transfer_actors)
         self.tasks_started = 0  # transfers' data-path tasks started (Stats.transfer_tasks)
         self._env = Env(node=self.node, cfg=self.cfg, nixl=self._nixl, links=lambda: self.links,
@@ -394,30 +389,20 @@ class Engine:
             return
         heap = self._deadlines
         if len(heap) >= self._deadlines_limit:
-            heap[:] = [e for e in heap if not e[2].finished.is_set()]
-            heapq.heapify(heap)
+            heap.keep(lambda other: not other.finished.is_set())
             self._deadlines_limit = max(64, 2 * len(heap))
-        self._deadlines_seq += 1
-        heapq.heappush(heap, (due, self._deadlines_seq, t))
-        if self._deadline_sleep is not None and due < self._deadline_sleep.deadline:
-            self._deadline_sleep.deadline = due  # trio re-reads it: no wake-up
+        heap.push(due, t)
 
     async def _watch_deadlines(self) -> None:
         """Tell each transfer with no actor when its deadline is due (one task for all of them)."""
-        heap = self._deadlines
-        while True:
-            now = trio.current_time()
-            while heap and heap[0][0] <= now:
-                t = heapq.heappop(heap)[2]
-                try:
-                    t.deadline_passed()
-                except Exception:  # a bug: that request is not expired, the engine serves on
-                    log.exception("transfer.internal_error", request_id=t.request_id)
-            # no checkpoint from the test above to the sleep: _watch_deadline sees the scope
-            with trio.move_on_at(heap[0][0] if heap else math.inf) as scope:
-                self._deadline_sleep = scope
-                await trio.sleep_forever()
-            self._deadline_sleep = None
+
+        def due(t: Transfer) -> None:
+            try:
+                t.deadline_passed()
+            except Exception:  # a bug: that request is not expired, the engine serves on
+                log.exception("transfer.internal_error", request_id=t.request_id)
+
+        await self._deadlines.serve(due)
 
     def _on_nixl(self, t: Transfer) -> None:
         """``t`` moves bytes over NIXL: the poller spins (woken at once if it sleeps) until it ends."""
@@ -565,16 +550,13 @@ class Engine:
         at most ``max_ended_requests`` of them: beyond, the one due first is forgotten now."""
         now = trio.current_time()
         until = remember_until(t.machine.deadline, now, self.cfg.remember_ended_s)
-        self._ended_seq += 1
-        heapq.heappush(self._ended, (until, self._ended_seq, t))
+        self._ended.push(until, t)
         limit = self.daemon.config.limits.max_ended_requests
         while len(self._ended) > limit:
-            due, _, old = heapq.heappop(self._ended)
+            due, old = self._ended.pop_first()
             if self._forget(old):
                 log.warning("transfer.forgotten_early", request_id=old.request_id, peer=old.peer,
                             due_in_s=round(due - now, 3), limit=limit)
-        if self._expiry is not None and until < self._expiry.deadline:
-            self._expiry.deadline = until  # trio re-reads it: no wake-up
 
     def _forget(self, t: Transfer) -> bool:
         """Drop the remembered ``t`` (False: another request holds its key already)."""
@@ -585,18 +567,12 @@ class Engine:
 
     async def _expire_ended(self) -> None:
         """Forget each remembered request when it is due (one task for all of them)."""
-        heap = self._ended
-        while True:
-            now = trio.current_time()
-            while heap and heap[0][0] <= now:
-                t = heapq.heappop(heap)[2]
-                if self._forget(t):
-                    log.debug("transfer.forgotten", request_id=t.request_id, peer=t.peer)
-            # no checkpoint from the test above to the sleep: _remember sees the scope
-            with trio.move_on_at(heap[0][0] if heap else math.inf) as scope:
-                self._expiry = scope
-                await trio.sleep_forever()
-            self._expiry = None
+
+        def due(t: Transfer) -> None:
+            if self._forget(t):
+                log.debug("transfer.forgotten", request_id=t.request_id, peer=t.peer)
+
+        await self._ended.serve(due)
 
     # -- reports (called by transfers) ------------------------------------------------------
     def _on_report(self, t: Transfer, side: Side, c: m.Completion) -> None:
