@@ -10,7 +10,7 @@ import trio
 
 from kvd.demo.launch import DaemonProcess
 from protocol.layout import VLLM_AXIS_ORDER, KVLayout
-from tests.transfer_harness import assert_exact, run_transfer, start_pair
+from tests.transfer_harness import Outcome, Pair, assert_exact, run_transfer, start_pair
 
 GEO = {"num_layers": 4, "num_kv_heads": 8, "head_dim": 64, "tokens_per_block": 16, "dtype": "bfloat16"}
 Factory = Callable[..., DaemonProcess]
@@ -71,6 +71,23 @@ async def test_request_three_times_the_bounce_region_streams(daemon_factory: Fac
     assert c.bytes == 3 * 4 * 2**20 and c.chunks >= 12 and c.path == "bounce"
 
 
+async def _concurrently(pair: Pair, ctx: KVLayout, gen: KVLayout, prefix: str, *, requests: int,
+                        blocks: int) -> list[Outcome]:
+    """``requests`` transfers of ``blocks`` blocks at once; each checked byte for byte."""
+    outs: list[Outcome] = []
+
+    async def one(i: int) -> None:
+        outs.append(await run_transfer(pair, ctx, gen, request_id=f"{prefix}{i}", blocks=blocks, seed=i))
+
+    async with trio.open_nursery() as nursery:
+        for i in range(requests):
+            nursery.start_soon(one, i)
+    assert len(outs) == requests
+    for out in outs:
+        assert_exact(out, gen, whole_pool=False)
+    return outs
+
+
 async def test_concurrent_requests_each_larger_than_the_bounce_regions_all_finish(
     daemon_factory: Factory, short_tmp: Path
 ) -> None:
@@ -81,17 +98,8 @@ async def test_concurrent_requests_each_larger_than_the_bounce_regions_all_finis
     geo = {**GEO, "num_layers": 24}
     ctx, gen = KVLayout(**geo), KVLayout(**{**geo, "tp_size": 2})  # type: ignore[arg-type]
     pair = start_pair(daemon_factory, short_tmp, ctx, gen, num_blocks=32)
-    outs = []
-
-    async def one(i: int) -> None:
-        outs.append(await run_transfer(pair, ctx, gen, request_id=f"req-big{i}", blocks=8, seed=i))
-
-    async with trio.open_nursery() as nursery:
-        for i in range(4):
-            nursery.start_soon(one, i)
-    assert len(outs) == 4
+    outs = await _concurrently(pair, ctx, gen, "req-big", requests=4, blocks=8)
     for out in outs:
-        assert_exact(out, gen, whole_pool=False)
         c = out.gen[0]
         assert c.ok and c.path == "bounce" and c.chunks >= 6, c
 
@@ -99,17 +107,7 @@ async def test_concurrent_requests_each_larger_than_the_bounce_regions_all_finis
 async def test_sixteen_concurrent_requests(daemon_factory: Factory, short_tmp: Path) -> None:
     ctx, gen = L(), L(tp_size=2)
     pair = start_pair(daemon_factory, short_tmp, ctx, gen, num_blocks=64)
-    outs = []
-
-    async def one(i: int) -> None:
-        outs.append(await run_transfer(pair, ctx, gen, request_id=f"req-c{i}", blocks=4, seed=i))
-
-    async with trio.open_nursery() as nursery:
-        for i in range(16):
-            nursery.start_soon(one, i)
-    assert len(outs) == 16
-    for out in outs:
-        assert_exact(out, gen, whole_pool=False)
+    for out in await _concurrently(pair, ctx, gen, "req-c", requests=16, blocks=4):
         assert all(c.ok for c in out.gen.values())
 
 
