@@ -115,6 +115,9 @@ def test_latency_ab_sets_each_sides_variables_in_its_rounds(capsys: pytest.Captu
     new, old = latency_ab.round_env(args, "new", tree), latency_ab.round_env(args, "old", tree)
     assert new["KVD_KERNEL_PARAM_TABLES"] == "1" and new["KVD_X"] == "a=b"
     assert "KVD_X" not in old and old["PYTHONPATH"] == new["PYTHONPATH"] == f"/wheels:{tree}"
+    # a relative tree is made absolute: the rounds run in another directory
+    rel = latency_ab.build_parser().parse_args([".", "."])
+    assert latency_ab.round_env(rel, "old", ".")["PYTHONPATH"] == str(Path.cwd())
     with pytest.raises(SystemExit):
         latency_ab.main([tree, tree, "--env-old", "NO_EQUALS_SIGN"])
     assert "take KEY=VALUE" in capsys.readouterr().err

@@ -154,7 +154,9 @@ async def test_verify_sees_a_wrong_byte_a_stray_byte_and_a_missing_write(short_t
             with pytest.raises(BaseExceptionGroup) as caught:
                 await rig.run(bad, "bad")
             why = failure(caught.value)
-            assert why == (f"BlockNotLeased: pool 'ctx0r0': block {bad[0].ctx_ids[0][0]} is not leased to session 1: it is free; "
+            # the rig's session is not always the daemon's first (a readiness probe may come first)
+            sid = next(s.session_id for s in await rig.ctx[0, 0].sessions() if s.client == "bench-ctx0r0")
+            assert why == (f"BlockNotLeased: pool 'ctx0r0': block {bad[0].ctx_ids[0][0]} is not leased to session {sid}: it is free; "
                            "name only ids alloc returned to this session and it has not freed since")
             # the gen side still expects it: cancelling it from one of its sessions ends it for all
             # (the daemons then stop at once)

@@ -104,7 +104,9 @@ def round_env(args: argparse.Namespace, name: str, tree: str) -> dict[str, str]:
     the tree on ``PYTHONPATH`` and that side's ``--env-old`` / ``--env-new`` settings (the
     daemons inherit them: an A/B of one tree with and without a variable)."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (args.pythonpath, tree) if p)
+    # absolute: the rounds run in /tmp, where a relative tree (``.``) names nothing
+    paths = (str(Path(p).resolve()) for p in (args.pythonpath, tree) if p)
+    env["PYTHONPATH"] = os.pathsep.join(paths)
     for item in getattr(args, f"env_{name}"):
         key, _, value = item.partition("=")
         env[key] = value
@@ -113,7 +115,7 @@ def round_env(args: argparse.Namespace, name: str, tree: str) -> dict[str, str]:
 
 def _round(tree: str, args: argparse.Namespace, name: str) -> dict[str, Any]:
     env = round_env(args, name, tree)
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--tree", tree, "--geometry", args.geometry,
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--tree", str(Path(tree).resolve()), "--geometry", args.geometry,
            "--blocks", str(args.blocks), "--repeat", str(args.repeat), "--orders", args.orders,
            "--memory", args.memory, "--device", str(args.device), "--busy-poll", args.busy_poll]
     if args.gen_device is not None:
