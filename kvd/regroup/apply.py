@@ -375,6 +375,7 @@ def _templated(
     if any(k is None for k in kernels):
         return None  # made unavailable since (tests do): the general path says what happens
     tables = [tpl.table([(plan.ctx_offsets[s], plan.gen_offsets[d]) for s, d in pairs]) for _, tpl, pairs in parts]
+    mark("regroup.tables", sum(t.size for t in tables))
     events = []
     nbytes = 0
     for (dev, tpl, _), k, table in zip(parts, kernels, tables, strict=True):

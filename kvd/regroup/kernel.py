@@ -43,6 +43,7 @@ import numpy as np
 import numpy.typing as npt
 import structlog
 
+from kvd.ops.steptrace import mark
 from kvd.regroup.pinned import PinnedTables
 from kvd.regroup.table import MAX_DIGITS, PairGrid
 
@@ -471,6 +472,7 @@ class RegroupKernel:
         cu = _driver()
         hs = cu.CUstream(stream)
         _check(cu.cuCtxPushCurrent(self.ctx), "cuCtxPushCurrent")
+        mark("kernel.pushed", small)
         try:
             if small:
                 return self._enqueue_small(cu, table, npairs, ntiles, hs)
@@ -489,6 +491,7 @@ class RegroupKernel:
                 buf[1 : 1 + table.size] = table
                 _check(cu.cuLaunchKernel(self._func_small, gx, gy, 1, THREADS, 1, 1, 0, hs, self._small_ptrs_addr, 0),
                        "cuLaunchKernel")
+        mark("kernel.launched")
         return DriverEvent(self.ctx, hs, self._events)
 
     def _enqueue(self, cu: Any, table: npt.NDArray[np.int64], npairs: int, ntiles: int, hs: Any) -> DriverEvent:
@@ -511,6 +514,7 @@ class RegroupKernel:
         dptr = _check(cu.cuMemAllocFromPoolAsync(nbytes, self._pool, hs), "cuMemAllocFromPoolAsync")
         try:
             _check(cu.cuMemcpyHtoDAsync(dptr, host, nbytes, hs), "cuMemcpyHtoDAsync")
+            mark("kernel.table_copied")
             if ntiles > 0:
                 gx = min(ntiles, 1 << 30)
                 gy = -(-ntiles // gx)
@@ -520,6 +524,7 @@ class RegroupKernel:
                     vals[0], vals[1], vals[2] = base, base + npairs * NF * 8, npairs
                     _check(cu.cuLaunchKernel(self._func, gx, gy, 1, THREADS, 1, 1, 0, hs, self._argptrs_addr, 0),
                            "cuLaunchKernel")
+            mark("kernel.launched")
         finally:
             _check(cu.cuMemFreeAsync(dptr, hs), "cuMemFreeAsync")
         return DriverEvent(self.ctx, hs, self._events)
