@@ -115,3 +115,18 @@ def test_the_small_table_parameter_is_the_size_the_host_packs() -> None:
     m = re.search(r"#define SMALL_WORDS (\d+)", kernel.SOURCE)
     assert m is not None and int(m.group(1)) == kernel.SMALL_WORDS
     assert (kernel.SMALL_WORDS + 1) * 8 == 4096
+
+
+def test_the_large_table_parameter_fits_the_32_kib_limit_and_is_compiled() -> None:
+    """The 32 KiB entry point's table matches the host's LARGE_WORDS, stays within the 32764
+    bytes CUDA 12.1 allows a kernel's parameters, and NVRTC builds it for sm_90 (beside the
+    4 KiB one): the host finds both functions in the cubin it loads."""
+    import re
+
+    m = re.search(r"#define LARGE_WORDS (\d+)", kernel.SOURCE)
+    assert m is not None and int(m.group(1)) == kernel.LARGE_WORDS
+    assert kernel.SMALL_WORDS < kernel.LARGE_WORDS and (kernel.LARGE_WORDS + 1) * 8 <= 32764
+    if _nvrtc_loads():
+        image = kernel.cubin("sm_90")
+        assert b"kvd_regroup_large" in image and b"kvd_regroup_small" in image
+

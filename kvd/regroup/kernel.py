@@ -79,6 +79,12 @@ TABLE_POOL_KEEP = 64 << 20
 #: the driver calls alone): after 2 ms without a launch, as between a daemon's requests, those
 #: three calls took ~38 us (~7 us back to back), of a launch's ~140 us of host time.
 SMALL_WORDS = 511
+#: A table of at most this many words goes as the 32 KiB parameter of ``kvd_regroup_large``
+#: (CUDA 12.1 and sm_70 on; 32760 bytes with its pair count, of the 32764 allowed): a
+#: 256-block TP1 -> TP4 request's table is 2192 words. In the 256-block step trace on one H200
+#: (docs/timeline-h200-1gpu-session11-256blocks.txt) the allocation and copy of such a table
+#: took 84 us of a 1.5 ms request.
+LARGE_WORDS = 4094
 ENV_PARAM_TABLES = "KVD_KERNEL_PARAM_TABLES"
 #: Whether small tables go as the parameter (on unless ``KVD_KERNEL_PARAM_TABLES=0``).
 #: tests/gpu/test_regroup_kernel.py runs every layout kind both ways; on one H200
@@ -198,6 +204,21 @@ extern "C" __global__ void __launch_bounds__(256, 6)
 kvd_regroup_small(const __grid_constant__ SmallTable t) {
   regroup_tile(t.w, t.w + t.npairs * NF, (int)t.npairs);
 }
+
+// A request of up to a few hundred blocks: the same, with the 32 KiB parameter that CUDA 12.1
+// and Volta on allow (32764 bytes). Its own entry point, so that a small launch copies 4 KiB
+// of parameter and not 32 (the driver copies the declared size). Absent where not allowed:
+// the host then sends those tables through device memory.
+#define LARGE_WORDS 4094
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700 && \
+    (__CUDACC_VER_MAJOR__ > 12 || (__CUDACC_VER_MAJOR__ == 12 && __CUDACC_VER_MINOR__ >= 1))
+struct LargeTable { i64 npairs; i64 w[LARGE_WORDS]; };
+
+extern "C" __global__ void __launch_bounds__(256, 6)
+kvd_regroup_large(const __grid_constant__ LargeTable t) {
+  regroup_tile(t.w, t.w + t.npairs * NF, (int)t.npairs);
+}
+#endif
 """
 
 
@@ -377,6 +398,9 @@ class RegroupKernel:
             self._func = _check(cu.cuModuleGetFunction(self._module, b"kvd_regroup"), "cuModuleGetFunction")
             self._func_small = _check(cu.cuModuleGetFunction(self._module, b"kvd_regroup_small"),
                                       "cuModuleGetFunction")
+            res = cu.cuModuleGetFunction(self._module, b"kvd_regroup_large")
+            # (absent when this arch or compiler does not allow a 32 KiB parameter)
+            self._func_large: Any = res[1] if res[0] == cu.CUresult.CUDA_SUCCESS else None
         finally:
             cu.cuCtxPopCurrent()
         self._peers: dict[int, bool] = {}
@@ -394,6 +418,9 @@ class RegroupKernel:
         self._small = np.zeros(SMALL_WORDS + 1, dtype=np.int64)
         self._small_ptrs = np.array([self._small.__array_interface__["data"][0]], dtype=np.uint64)
         self._small_ptrs_addr = int(self._small_ptrs.__array_interface__["data"][0])
+        self._large = np.zeros(LARGE_WORDS + 1, dtype=np.int64)
+        self._large_ptrs = np.array([self._large.__array_interface__["data"][0]], dtype=np.uint64)
+        self._large_ptrs_addr = int(self._large_ptrs.__array_interface__["data"][0])
         self._args_lock = threading.Lock()
         #: completed events, recorded again by later launches (no create/destroy per launch)
         self._events: list[Any] = []
@@ -452,45 +479,74 @@ class RegroupKernel:
                 self._peers[peer] = ok
             return ok
 
+    def param_words(self) -> int:
+        """The largest table (int64 words) a launch here can take as its parameter."""
+        return LARGE_WORDS if self._func_large is not None else SMALL_WORDS
+
+    def table_path(self, words: int) -> str:
+        """How :meth:`run` sends a table of ``words`` words by default: ``"small"`` (the 4 KiB
+        parameter), ``"large"`` (the 32 KiB one) or ``"device"`` (device memory)."""
+        if PARAM_TABLES and words <= SMALL_WORDS:
+            return "small"
+        if PARAM_TABLES and words <= LARGE_WORDS and self._func_large is not None:
+            return "large"
+        return "device"
+
     def run(self, table: npt.NDArray[np.int64], npairs: int, ntiles: int, stream: int, *,
             small: bool | None = None) -> DriverEvent:
         """Enqueue one launch on the CUDA stream handle ``stream`` (an int, as torch's
         ``Stream.cuda_stream``) over ``ntiles`` tiles; returns an event recorded after it.
 
-        With :data:`PARAM_TABLES`, a table of at most :data:`SMALL_WORDS` words is the
-        launch's parameter (the driver copies it with the launch: two driver calls in all).
+        With :data:`PARAM_TABLES`, a table of at most :meth:`param_words` words is the
+        launch's parameter (the driver copies it with the launch: two driver calls in all),
+        through the 4 KiB entry point when it fits, else the 32 KiB one (:meth:`table_path`).
         Otherwise the table goes to stream-ordered device memory (``cuMemAllocFromPoolAsync``
         from a pool of our own, one host-to-device copy from a page-locked slot, freed after
-        the kernel on the same stream). ``small`` forces one way (tests); a table too large for
-        the parameter is a :class:`KernelError` then."""
+        the kernel on the same stream). ``small`` forces the parameter (True) or device memory
+        (False) (tests); a table too large for the parameter is a :class:`KernelError` then."""
         if table.dtype != np.int64 or not table.flags.c_contiguous:
             raise KernelError("a launch table is a contiguous int64 array")
         if small is None:
-            small = PARAM_TABLES and table.size <= SMALL_WORDS
-        elif small and table.size > SMALL_WORDS:
-            raise KernelError(f"a launch table of {table.size} words does not fit the {SMALL_WORDS}-word parameter")
+            how = self.table_path(table.size)
+        elif small:
+            if table.size > self.param_words():
+                raise KernelError(f"a launch table of {table.size} words does not fit the "
+                                  f"{self.param_words()}-word parameter")
+            how = "small" if table.size <= SMALL_WORDS else "large"
+        else:
+            how = "device"
         cu = _driver()
         hs = cu.CUstream(stream)
         _check(cu.cuCtxPushCurrent(self.ctx), "cuCtxPushCurrent")
-        mark("kernel.pushed", small)
+        mark("kernel.pushed", how)
         try:
-            if small:
-                return self._enqueue_small(cu, table, npairs, ntiles, hs)
+            if how == "small":
+                return self._enqueue_param(cu, table, npairs, ntiles, hs, self._func_small, self._small,
+                                           self._small_ptrs_addr)
+            if how == "large":
+                try:
+                    return self._enqueue_param(cu, table, npairs, ntiles, hs, self._func_large, self._large,
+                                               self._large_ptrs_addr)
+                except KernelError as exc:
+                    if small:
+                        raise
+                    # a driver older than the compiler refuses the 32 KiB parameter: nothing
+                    # was enqueued; say so once and send such tables through device memory
+                    self._func_large = None
+                    log.warning("regroup.large_parameter_refused", device=self.device, error=str(exc))
             return self._enqueue(cu, table, npairs, ntiles, hs)
         finally:
             cu.cuCtxPopCurrent()
 
-    def _enqueue_small(self, cu: Any, table: npt.NDArray[np.int64], npairs: int, ntiles: int,
-                       hs: Any) -> DriverEvent:
+    def _enqueue_param(self, cu: Any, table: npt.NDArray[np.int64], npairs: int, ntiles: int, hs: Any,
+                       func: Any, buf: npt.NDArray[np.int64], ptrs_addr: int) -> DriverEvent:
         if ntiles > 0:
             gx = min(ntiles, 1 << 30)
             gy = -(-ntiles // gx)
             with self._args_lock:  # cuLaunchKernel copies the parameter before it returns
-                buf = self._small
                 buf[0] = npairs
                 buf[1 : 1 + table.size] = table
-                _check(cu.cuLaunchKernel(self._func_small, gx, gy, 1, THREADS, 1, 1, 0, hs, self._small_ptrs_addr, 0),
-                       "cuLaunchKernel")
+                _check(cu.cuLaunchKernel(func, gx, gy, 1, THREADS, 1, 1, 0, hs, ptrs_addr, 0), "cuLaunchKernel")
         mark("kernel.launched")
         return DriverEvent(self.ctx, hs, self._events)
 

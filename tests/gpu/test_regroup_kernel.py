@@ -39,8 +39,9 @@ PLACES = ["cuda:0>cuda:0", pytest.param("cuda:0>cuda:1", marks=TWO)]
 POOL_PLACES = [*PLACES, pytest.param("cuda:0>cuda:1>pull", marks=TWO)]
 
 
-#: how a launch's table reaches the kernel: as its parameter (tables up to kernel.SMALL_WORDS
-#: words, with kernel.PARAM_TABLES on) or through device memory (every table, PARAM_TABLES off)
+#: how a launch's table reaches the kernel: as its parameter (with kernel.PARAM_TABLES on: the
+#: 4 KiB one up to kernel.SMALL_WORDS words, the 32 KiB one up to kernel.LARGE_WORDS) or
+#: through device memory (every table, PARAM_TABLES off)
 TABLE_PATHS = ["param", "device"]
 
 
@@ -232,9 +233,10 @@ def test_chunk_templates_serve_every_request_of_a_shape() -> None:
 
 def _gpt_oss_launch(blocks: int) -> tuple[Plan, torch.Tensor, dict[int, torch.Tensor], dict[int, torch.Tensor]]:
     geo = {"num_layers": 36, "num_kv_heads": 8, "head_dim": 64, "tokens_per_block": 32, "dtype": "bfloat16"}
-    ctx, gen = KVLayout(**geo, num_blocks=64), KVLayout(**geo, tp_size=4, num_blocks=64)
+    n = max(64, blocks)
+    ctx, gen = KVLayout(**geo, num_blocks=n), KVLayout(**geo, tp_size=4, num_blocks=n)
     rng = np.random.default_rng(blocks)
-    p = plan(ctx, gen, {0: rng.permutation(64)[:blocks]}, {r: rng.permutation(64)[:blocks] for r in range(4)})
+    p = plan(ctx, gen, {0: rng.permutation(n)[:blocks]}, {r: rng.permutation(n)[:blocks] for r in range(4)})
     src = torch.randint(0, 256, (ctx.pool_bytes(0),), dtype=torch.uint8, device="cuda:0")
     got = {r: torch.full((gen.pool_bytes(r),), SENTINEL, dtype=torch.uint8, device="cuda:0") for r in range(4)}
     ref = {r: t.clone() for r, t in got.items()}
@@ -242,18 +244,19 @@ def _gpt_oss_launch(blocks: int) -> tuple[Plan, torch.Tensor, dict[int, torch.Te
     return p, src, got, ref
 
 
-@pytest.mark.parametrize("blocks", [1, 60])
-def test_small_tables_go_as_the_launch_parameter_large_ones_through_device_memory(
-    blocks: int, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(("blocks", "path"), [(1, "small"), (60, "large"), (600, "device")])
+def test_each_table_size_takes_its_parameter_or_device_memory(
+    blocks: int, path: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """With parameter tables on, a 1-block GPT-OSS-120B TP1 -> TP4 request's table fits the
-    kernel parameter, a 60-block one does not: each lands byte for byte the way its size
-    picks, and bytes outside stay."""
+    4 KiB kernel parameter, a 60-block one the 32 KiB one, a 600-block one neither (device
+    memory): each lands byte for byte the way its size picks, and bytes outside stay."""
     monkeypatch.setattr(kernel, "PARAM_TABLES", True)
     p, src, got, ref = _gpt_oss_launch(blocks)
     rg._templates.clear()
     k = kernel.kernel_for(0)
     assert k is not None
+    assert k.param_words() == kernel.LARGE_WORDS, "no 32 KiB parameter entry point on this GPU"
     seen: list[int] = []
     run = k.run
 
@@ -266,7 +269,7 @@ def test_small_tables_go_as_the_launch_parameter_large_ones_through_device_memor
         rg.regroup(p, 0, src, got, engine="kernel").wait()
     finally:
         del k.run
-    assert len(seen) == 1 and (seen[0] <= kernel.SMALL_WORDS) == (blocks == 1), seen
+    assert len(seen) == 1 and k.table_path(seen[0]) == path, seen
     for r in got:
         assert torch.equal(got[r], ref[r]), r
 
@@ -276,6 +279,6 @@ def test_a_table_too_large_for_the_parameter_is_refused_when_forced() -> None:
     assert k is not None
     stream = torch.cuda.current_stream(0).cuda_stream
     with pytest.raises(kernel.KernelError, match="does not fit"):
-        k.run(np.zeros(kernel.SMALL_WORDS + 1, dtype=np.int64), 1, 1, stream, small=True)
+        k.run(np.zeros(k.param_words() + 1, dtype=np.int64), 1, 1, stream, small=True)
     with pytest.raises(kernel.KernelError, match="contiguous int64"):
         k.run(np.zeros(8, dtype=np.int32), 1, 1, stream)
