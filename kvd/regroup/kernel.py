@@ -541,8 +541,7 @@ class RegroupKernel:
     def _enqueue_param(self, cu: Any, table: npt.NDArray[np.int64], npairs: int, ntiles: int, hs: Any,
                        func: Any, buf: npt.NDArray[np.int64], ptrs_addr: int) -> DriverEvent:
         if ntiles > 0:
-            gx = min(ntiles, 1 << 30)
-            gy = -(-ntiles // gx)
+            gx, gy = _grid(ntiles)
             with self._args_lock:  # cuLaunchKernel copies the parameter before it returns
                 buf[0] = npairs
                 buf[1 : 1 + table.size] = table
@@ -572,8 +571,7 @@ class RegroupKernel:
             _check(cu.cuMemcpyHtoDAsync(dptr, host, nbytes, hs), "cuMemcpyHtoDAsync")
             mark("kernel.table_copied")
             if ntiles > 0:
-                gx = min(ntiles, 1 << 30)
-                gy = -(-ntiles // gx)
+                gx, gy = _grid(ntiles)
                 base = int(dptr)
                 with self._args_lock:  # (the int parameter reads the low 4 bytes of its slot)
                     vals = self._argvals
@@ -584,6 +582,14 @@ class RegroupKernel:
         finally:
             _check(cu.cuMemFreeAsync(dptr, hs), "cuMemFreeAsync")
         return DriverEvent(self.ctx, hs, self._events)
+
+
+def _grid(ntiles: int) -> tuple[int, int]:
+    """The launch grid of ``ntiles`` tiles, one thread block each: x up to 2^30, then y rows
+    (the kernel numbers a tile ``blockIdx.y * gridDim.x + blockIdx.x``; tiles past the last
+    pair's end do nothing)."""
+    gx = min(ntiles, 1 << 30)
+    return gx, -(-ntiles // gx)
 
 
 #: Completed events a kernel keeps for reuse (more are destroyed).
