@@ -282,3 +282,38 @@ def test_a_table_too_large_for_the_parameter_is_refused_when_forced() -> None:
         k.run(np.zeros(k.param_words() + 1, dtype=np.int64), 1, 1, stream, small=True)
     with pytest.raises(kernel.KernelError, match="contiguous int64"):
         k.run(np.zeros(8, dtype=np.int32), 1, 1, stream)
+
+
+def test_a_driver_that_refuses_the_32_kib_parameter_falls_back_to_device_memory(
+    monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A driver older than the compiler refuses a 32 KiB parameter at launch: nothing was
+    enqueued, so the same launch goes through device memory, lands byte for byte, and later
+    ones of that size go there at once; it is logged once. Provoked by making the launch of
+    the large entry point fail as such a driver's would."""
+    monkeypatch.setattr(kernel, "PARAM_TABLES", True)
+    p, src, got, ref = _gpt_oss_launch(60)
+    rg._templates.clear()
+    k = kernel.kernel_for(0)
+    assert k is not None and k.table_path(624) == "large"
+    large = k._func_large
+    real = k._enqueue_param
+
+    def refusing(cu: object, table: np.ndarray, npairs: int, ntiles: int, hs: object, func: object,
+                 *rest: object) -> object:
+        if func is large:
+            raise kernel.KernelError("cuLaunchKernel failed: CUDA_ERROR_INVALID_VALUE")
+        return real(cu, table, npairs, ntiles, hs, func, *rest)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(k, "_enqueue_param", refusing)
+    try:
+        with capture_logs() as logs:
+            rg.regroup(p, 0, src, got, engine="kernel").wait()
+            assert k.table_path(624) == "device"
+            got2 = {r: torch.full_like(t, SENTINEL) for r, t in got.items()}
+            rg.regroup(p, 0, src, got2, engine="kernel").wait()
+    finally:
+        k._func_large = large
+    assert [e["event"] for e in logs].count("regroup.large_parameter_refused") == 1
+    for r in got:
+        assert torch.equal(got[r], ref[r]) and torch.equal(got2[r], ref[r]), r
