@@ -28,8 +28,9 @@ ANCILLARY_SIZE = socket.CMSG_SPACE(MAX_FDS * array.array("i").itemsize)
 
 
 def default_socket_path() -> str:
-    """``$KVD_SOCKET`` or the systemd unit's socket path."""
-    return os.environ.get("KVD_SOCKET", "/run/kvd/kvd.sock")
+    """``$KVD_SOCKET`` or the systemd unit's socket path. An empty ``KVD_SOCKET`` counts as unset,
+    as the daemon counts it (a client used to try to connect to "" instead)."""
+    return os.environ.get("KVD_SOCKET") or "/run/kvd/kvd.sock"
 
 
 #: How a library caller gives the socket (kvctl says ``--socket PATH or KVD_SOCKET``).

@@ -5,12 +5,17 @@
   unsupported``; the array is now taken as its ``tolist()``, and a value that still cannot be
   sent (a numpy integer as the rank) is a ``BadRequest`` saying what to pass, nothing sent;
 - a single block id where a list belongs raised ``TypeError: 'int' object is not iterable``;
+- ``KVD_SOCKET=`` (empty) made kvctl and the clients connect to "" while the daemon takes it as
+  unset;
 - a call on a ``Client`` after its ``with`` block said ``cannot send to the daemon: [Errno 9] Bad
   file descriptor; the daemon stopped or was killed``: it now says this client was closed.
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Callable
 
 import numpy as np
@@ -21,6 +26,7 @@ from clients import Client, PollingClient, open_client
 from kvd.demo.launch import DaemonProcess
 from protocol.errors import BadRequest, ConnectionClosed, TransferCancelled
 
+DEFAULT = "/run/kvd/kvd.sock"
 CLOSED = "this client is closed (its `with` block ended, or close() was called): the daemon is not at fault"
 
 
@@ -99,3 +105,19 @@ def test_a_call_after_the_with_block_says_the_client_is_closed(
     with Client(d.socket_path, client="again") as again:  # the daemon is fine
         assert again.ping(b"y") == b"y"
 
+
+
+def test_an_empty_kvd_socket_counts_as_unset_as_the_daemon_counts_it() -> None:
+    """``KVD_SOCKET=`` (an emptied variable, a unit's ``Environment=KVD_SOCKET=``): the daemon takes
+    its file's socket_path, but kvctl and the clients said ``cannot connect to kvd at : Invalid
+    argument``. They now take the default, as for an unset variable."""
+    env = {**os.environ, "KVD_SOCKET": ""}
+    probe = "from clients._wire import default_socket_path; print(default_socket_path())"
+    said = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=60)
+    assert said.stdout.strip() == DEFAULT, said
+    if os.path.exists(DEFAULT):
+        pytest.skip(f"a kvd may serve {DEFAULT} on this machine: kvctl ping would reach it")
+    run = subprocess.run([sys.executable, "-m", "clients.kvctl", "ping"], capture_output=True, text=True,
+                         env=env, timeout=60, stdin=subprocess.DEVNULL)
+    assert run.returncode == 3 and "Traceback" not in run.stderr, run.stderr
+    assert run.stderr.startswith(f"kvctl: [connection_closed] cannot connect to kvd at {DEFAULT}: "), run.stderr
