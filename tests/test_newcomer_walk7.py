@@ -14,9 +14,11 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -121,3 +123,15 @@ def test_an_empty_kvd_socket_counts_as_unset_as_the_daemon_counts_it() -> None:
                          env=env, timeout=60, stdin=subprocess.DEVNULL)
     assert run.returncode == 3 and "Traceback" not in run.stderr, run.stderr
     assert run.stderr.startswith(f"kvctl: [connection_closed] cannot connect to kvd at {DEFAULT}: "), run.stderr
+
+
+def test_every_stage_events_md_refers_to_is_one_a_transfer_records() -> None:
+    """events.md said the ctx side's wait for the other side is ``stages.accepted``, a key no
+    transfer.done line has (it is ``queued``): each ``stages.NAME`` must be a key the code sets."""
+    root = Path(__file__).resolve().parent.parent
+    named = set(re.findall(r"`stages\.([a-z_]+)`", (root / "docs" / "events.md").read_text()))
+    assert named, "events.md no longer names a stage as stages.NAME"
+    source = "\n".join(p.read_text() for p in (root / "kvd").rglob("*.py"))
+    recorded = set(re.findall(r"""\.mark\("([a-z_]+)"\)|stages\["([a-z_]+)"\]""", source))
+    keys = {k for pair in recorded for k in pair if k}
+    assert named <= keys, f"events.md names stages no transfer records: {sorted(named - keys)}"
