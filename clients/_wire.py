@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import TypeVar
 
 from protocol import messages as m
+from protocol.codec import encode
 from protocol.errors import BadRequest, ConnectionClosed, ProtocolError, error_from_code
 from protocol.layout import KVLayout
 from protocol.limits import MAX_DEADLINE_S, MAX_REQUEST_ID_LEN
@@ -27,8 +28,9 @@ ANCILLARY_SIZE = socket.CMSG_SPACE(MAX_FDS * array.array("i").itemsize)
 
 
 def default_socket_path() -> str:
-    """``$KVD_SOCKET`` or the systemd unit's socket path."""
-    return os.environ.get("KVD_SOCKET", "/run/kvd/kvd.sock")
+    """``$KVD_SOCKET`` or the systemd unit's socket path. An empty ``KVD_SOCKET`` counts as unset,
+    as the daemon counts it (a client used to try to connect to "" instead)."""
+    return os.environ.get("KVD_SOCKET") or "/run/kvd/kvd.sock"
 
 
 #: How a library caller gives the socket (kvctl says ``--socket PATH or KVD_SOCKET``).
@@ -74,6 +76,45 @@ def unreachable_hint(path: str, give: str = CLIENT_GIVE) -> str:
 LOST_HINT = ("the daemon stopped or was killed (its log or `journalctl -u kvd` says why); this session's "
              "leases and requests ended with it: open a new Client once kvd answers again "
              "(kvctl ping --wait SECONDS)")
+
+
+#: What a call on a Client after its ``with`` block (or ``close()``) raises: the daemon is fine.
+CLOSED_HINT = ("this client is closed (its `with` block ended, or close() was called): the daemon is "
+               "not at fault; open a new Client (or open_client) for more calls")
+
+
+def client_closed() -> ConnectionClosed:
+    """A call on a client this process closed itself."""
+    return ConnectionClosed(CLOSED_HINT, by_peer=False)
+
+
+def id_list(values: Sequence[int], what: str = "block_ids") -> list[int]:
+    """Block ids as the plain list the message holds: a numpy array or a torch tensor (a
+    serving engine's block table) through its ``tolist()``, anything else through ``list()``;
+    ``BadRequest`` for a single value. Elements that are not ints are caught by
+    :func:`encode_request` or the daemon."""
+    tolist = getattr(values, "tolist", None)
+    if callable(tolist):
+        listed = tolist()
+        if isinstance(listed, list):
+            return listed
+    try:
+        return list(values)
+    except TypeError:
+        raise BadRequest(f"{what} must be a sequence of block ids (the list alloc returned, or a slice of "
+                         f"it), got {type(values).__name__} {values!r:.40}") from None
+
+
+def encode_request(msg: m.Message) -> bytes:
+    """``encode(msg)``, with msgspec's ``TypeError`` for a value it cannot write (a numpy
+    integer among the block ids, a tensor as the rank) turned into a ``BadRequest`` that says
+    what to pass instead: nothing has been sent, the session goes on."""
+    try:
+        return encode(msg)
+    except TypeError as exc:
+        raise BadRequest(f"{type(msg).__name__} cannot be sent: {exc}; block ids, ranks and counts must be "
+                         "Python ints (a numpy array or a tensor of ids is taken whole; for its single "
+                         "elements use int(x), or .tolist() on the array)") from None
 
 
 def connection_lost(what: str) -> ConnectionClosed:
@@ -150,7 +191,7 @@ def expect_request(
     """The ``Expect`` both clients send (gen side registration)."""
     check_arguments(request_id, deadline_s=deadline_s)
     return m.Expect(id=id, request_id=request_id, pool=pool, layout=layout, rank=rank,
-                    block_ids=list(block_ids), ranks=ranks, deadline_s=deadline_s, peer=peer)
+                    block_ids=id_list(block_ids), ranks=ranks, deadline_s=deadline_s, peer=peer)
 
 
 def publish_request(
@@ -167,7 +208,7 @@ def publish_request(
     """The ``Publish`` both clients send (ctx side registration)."""
     check_arguments(request_id, deadline_s=deadline_s)
     return m.Publish(id=id, request_id=request_id, pool=pool, layout=layout, rank=rank,
-                     block_ids=list(block_ids), peer=peer, ranks=ranks, deadline_s=deadline_s)
+                     block_ids=id_list(block_ids), peer=peer, ranks=ranks, deadline_s=deadline_s)
 
 
 def completion_or_raise(reply: m.Completion) -> m.Completion:

@@ -23,16 +23,19 @@ from clients._wire import (
     ANCILLARY_SIZE,
     SocketUnreachable,
     check_reply,
+    client_closed,
     completion_or_raise,
     connection_lost,
     default_socket_path,
+    encode_request,
     expect_request,
     fds_from_ancillary,
+    id_list,
     publish_request,
     wait_request,
 )
 from protocol import messages as m
-from protocol.codec import decode_reply, encode
+from protocol.codec import decode_reply
 from protocol.errors import BadRequest, ConnectionClosed, error_from_code
 from protocol.framing import DEFAULT_MAX_FRAME_SIZE, FrameBuffer
 from protocol.layout import KVLayout
@@ -69,6 +72,7 @@ class Client:
         self.path = path or default_socket_path()
         self._timeout = timeout
         self._spin_s = float(spin_s)
+        self._closed = False  # close() was called: a later call says so, not "the daemon went away"
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.settimeout(timeout)
         try:
@@ -99,6 +103,7 @@ class Client:
 
     def close(self) -> None:
         """End the session (the daemon returns its leases)."""
+        self._closed = True
         self._sock.close()
 
     @property
@@ -131,7 +136,8 @@ class Client:
                     f"the daemon did not answer within {self._sock.gettimeout()} s (this Client's timeout); "
                     "give Client a larger timeout, or None", by_peer=False) from None
             except OSError as exc:
-                raise connection_lost(f"connection to the daemon broke: {exc}") from None
+                raise client_closed() if self._closed else connection_lost(
+                    f"connection to the daemon broke: {exc}") from None
             fds = fds_from_ancillary(anc)
             if not data:
                 for fd in fds:
@@ -164,7 +170,7 @@ class Client:
 
     def _call_with_fds(self, msg: m.Message, expected: type[T]) -> tuple[T, list[int]]:
         with self._lock:
-            self._send(encode(msg))
+            self._send(encode_request(msg))
             reply, fds = self._receive_reply(msg.id)
         try:
             return check_reply(reply, expected), fds
@@ -178,7 +184,7 @@ class Client:
         try:
             self._sock.sendall(data)
         except OSError as exc:
-            raise connection_lost(f"cannot send to the daemon: {exc}") from None
+            raise client_closed() if self._closed else connection_lost(f"cannot send to the daemon: {exc}") from None
 
     def _route(self, reply: m.Message) -> bool:
         """Take a reply that is not the one a call waits for; False (the default): it is dropped
@@ -204,7 +210,7 @@ class Client:
         daemon takes the wait as soon as the registration is done, with no client turn between."""
         wait = wait_request(self._id(), msg.request_id, timeout_s)
         with self._lock, self._patience(timeout_s):
-            self._send(encode(msg) + encode(wait))
+            self._send(encode_request(msg) + encode_request(wait))
             registered, fds = self._receive_reply(msg.id)
             _close_all(fds)
             # a refused registration raises here; its wait's reply (an error) is dropped later
@@ -295,7 +301,7 @@ class Client:
         """Return leased blocks to ``pool``; returns how many. All or nothing: ``BlockNotLeased`` if an id
         is not leased to this session (never allocated, or freed already), ``BlocksInUse`` while a
         request still uses them (wait for it or cancel it first)."""
-        return self._call(m.Free(id=self._id(), pool=pool, block_ids=list(block_ids)), m.Freed).count
+        return self._call(m.Free(id=self._id(), pool=pool, block_ids=id_list(block_ids)), m.Freed).count
 
     def expect(
         self,
@@ -309,7 +315,8 @@ class Client:
         deadline_s: float | None = None,
         peer: str = "",
     ) -> None:
-        """gen side: this rank will receive ``request_id`` into ``block_ids`` (token order).
+        """gen side: this rank will receive ``request_id`` into ``block_ids`` (token order; a list,
+        or a numpy array / integer tensor of ids).
 
         ``peer`` names the ctx daemon's node when known: once every gen rank registered, the
         destination goes to it unasked and the ctx side's publish moves bytes at once. Returns

@@ -25,16 +25,19 @@ from clients._wire import (
     ANCILLARY_SIZE,
     SocketUnreachable,
     check_reply,
+    client_closed,
     completion_or_raise,
     connection_lost,
     default_socket_path,
+    encode_request,
     expect_request,
     fds_from_ancillary,
+    id_list,
     publish_request,
     wait_request,
 )
 from protocol import messages as m
-from protocol.codec import decode_reply, encode
+from protocol.codec import decode_reply
 from protocol.errors import KvdError, ProtocolError, error_from_code
 from protocol.framing import DEFAULT_MAX_FRAME_SIZE, FrameBuffer
 from protocol.layout import KVLayout
@@ -102,9 +105,9 @@ class AsyncClient:
     async def _call_with_fds(self, msg: m.Message, expected: type[T]) -> tuple[T, list[int]]:
         if self._closed is not None:
             raise self._closed
+        data = encode_request(msg)  # before the pending entry: a value it refuses leaves none behind
         pending = _Pending()
         self._pending[msg.id] = pending
-        data = encode(msg)
         try:
             async with self._send_lock:
                 view = memoryview(data)
@@ -130,9 +133,9 @@ class AsyncClient:
         if self._closed is not None:
             raise self._closed
         wait = wait_request(self._id(), msg.request_id, timeout_s)
+        data = encode_request(msg) + encode_request(wait)
         registered, done = _Pending(), _Pending()
         self._pending[msg.id], self._pending[wait.id] = registered, done
-        data = encode(msg) + encode(wait)
         try:
             async with self._send_lock:
                 view = memoryview(data)
@@ -235,7 +238,7 @@ class AsyncClient:
         """Return leased blocks to ``pool``; returns how many. All or nothing: ``BlockNotLeased`` if an id
         is not leased to this session (never allocated, or freed already), ``BlocksInUse`` while a
         request still uses them (wait for it or cancel it first)."""
-        msg = m.Free(id=self._id(), pool=pool, block_ids=list(block_ids))
+        msg = m.Free(id=self._id(), pool=pool, block_ids=id_list(block_ids))
         return (await self._call(msg, m.Freed)).count
 
     async def expect(
@@ -358,6 +361,8 @@ async def open_client(path: str | None = None, *, client: str = "") -> AsyncIter
                 yield kvd
             finally:
                 nursery.cancel_scope.cancel()
+                if kvd._closed is None:  # a call after the block says so, not "the daemon went away"
+                    kvd._closed = client_closed()
     except BaseExceptionGroup as group:  # unwrap the single error the reader or caller raised
         if len(group.exceptions) == 1:
             raise group.exceptions[0] from None

@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from clients._wire import SocketUnreachable, unreachable_hint
+from clients._wire import SocketUnreachable, default_socket_path, unreachable_hint
 from clients.blocking import Client
 from protocol import messages as m
 from protocol.errors import ConnectionClosed, KvdError, NotFound
@@ -268,7 +268,7 @@ def _ping_until_up(args: argparse.Namespace) -> int:
     exits within a second with its reason on stderr, and without the pid the script sat out the
     whole ``--wait`` before it learnt anything."""
     deadline = time.monotonic() + args.wait
-    socket = args.socket or os.environ.get("KVD_SOCKET") or "/run/kvd/kvd.sock"
+    socket = args.socket or default_socket_path()
     while True:
         try:
             return run(args)

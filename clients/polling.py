@@ -26,7 +26,15 @@ from __future__ import annotations
 import os
 import socket
 
-from clients._wire import ANCILLARY_SIZE, connection_lost, expect_request, fds_from_ancillary, publish_request
+from clients._wire import (
+    ANCILLARY_SIZE,
+    client_closed,
+    connection_lost,
+    encode_request,
+    expect_request,
+    fds_from_ancillary,
+    publish_request,
+)
 from clients.blocking import Client
 from protocol import messages as m
 from protocol.codec import decode_reply, encode
@@ -152,7 +160,8 @@ class PollingClient(Client):
                 except BlockingIOError:
                     return
                 except OSError as exc:
-                    raise connection_lost(f"connection to the daemon broke: {exc}") from None
+                    raise client_closed() if self._closed else connection_lost(
+                        f"connection to the daemon broke: {exc}") from None
                 for fd in fds_from_ancillary(anc):  # no reply to a watch carries fds
                     os.close(fd)
                 if not data:
@@ -165,7 +174,7 @@ class PollingClient(Client):
 
     def _send_watched(self, registration: m.Expect | m.Publish | None, request_id: str) -> None:
         wait = m.Wait(id=self._id(), request_id=request_id)
-        data = encode(wait) if registration is None else encode(registration) + encode(wait)
+        data = encode(wait) if registration is None else encode_request(registration) + encode(wait)
         with self._lock:
             self._send(data)
             self._watches[wait.id] = request_id

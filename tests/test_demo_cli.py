@@ -95,3 +95,16 @@ def test_too_large_is_exact_at_the_bound() -> None:
 ])
 def test_bench_transfer_refuses_a_bad_size(args: list[str], says: str) -> None:
     usage_error(kvd("bench", "transfer", *args, timeout=60), "kvd bench transfer", says)
+
+
+@pytest.mark.parametrize("option", ["--blocks", "--sizes"])
+def test_bench_transfer_refuses_a_request_larger_than_memory(option: str) -> None:
+    """It checked nothing: ``--blocks 20000`` ran the whole latency table, then failed with the gen
+    daemon's startup log, twice over and saying to lower ``num_blocks`` (no option of the bench)."""
+    blocks = host_memory_available() // BLOCK_BYTES
+    args = ["--blocks", str(blocks)] if option == "--blocks" else ["--sizes", f"1,{blocks}", "--latency-only"]
+    run = kvd("bench", "transfer", *args, timeout=60)
+    assert run.returncode == 2 and "Traceback" not in run.stderr and run.stdout == "", (run.stdout, run.stderr)
+    line = run.stderr.splitlines()[-1]
+    assert line.startswith(f"kvd bench transfer: error: {option} {blocks}: a request of "), line
+    assert re.search(rf"give fewer {option} \(at most \d+\)$", line), line

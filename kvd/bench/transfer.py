@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from kvd.bench import latency
-from kvd.demo.pair import GEOMETRY, Scenario, positive_int, start_pair
+from kvd.demo.pair import GEOMETRY, Scenario, host_memory_available, positive_int, start_pair, too_large
 
 MiB = 1 << 20
 
@@ -135,6 +135,13 @@ def main(argv: list[str] | None = None) -> int:
 
         return int(gpu_main(argv))
     args = parser.parse_args(argv)
+    # before any daemon starts: a request larger than the host ran the whole latency table
+    # first, then failed with the gen daemon's startup log ("lower num_blocks", not an option)
+    available = host_memory_available()
+    if args.geometry == "gpt-oss-120b" and (why := too_large(max(args.sizes), available, "--sizes")):
+        parser.error(why)
+    if not args.latency_only and args.geometry == "gpt-oss-120b" and (why := too_large(args.blocks, available)):
+        parser.error(why)
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     workdir = Path(tempfile.mkdtemp(prefix="kvd-bench-", dir="/tmp"))
     sizes = args.sizes

@@ -289,15 +289,16 @@ def host_memory_available() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def too_large(blocks: int, available: int) -> str:
-    """Why ``blocks`` cannot run in ``available`` bytes of host memory ("" when it can)."""
+def too_large(blocks: int, available: int, option: str = "--blocks") -> str:
+    """Why ``blocks`` cannot run in ``available`` bytes of host memory ("" when it can);
+    ``option`` names the option that gave ``blocks``."""
     request = KVLayout(**GEOMETRY).block_bytes(0) * blocks
     need = DEMO_COPIES * request
     if need <= available:
         return ""
-    return (f"--blocks {blocks}: a request of {request / 2**30:.1f} GiB needs about {need / 2**30:.1f} GiB of "
+    return (f"{option} {blocks}: a request of {request / 2**30:.1f} GiB needs about {need / 2**30:.1f} GiB of "
             f"host memory (ctx pool, gen pools, the executor's copy) and {available / 2**30:.1f} GiB is "
-            f"available; give fewer --blocks (at most {available // DEMO_COPIES // (request // blocks)})")
+            f"available; give fewer {option} (at most {available // DEMO_COPIES // (request // blocks)})")
 
 
 def build_parser() -> argparse.ArgumentParser:
