@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import array
 import math
+import operator
 import os
 import socket
 import stat
@@ -97,12 +98,28 @@ def id_list(values: Sequence[int], what: str = "block_ids") -> list[int]:
     if callable(tolist):
         listed = tolist()
         if isinstance(listed, list):
+            # an array is of one dtype: its first element says whether they are ids at all
+            if listed and type(listed[0]) is not int:
+                raise BadRequest(f"{what} must be integers; this array holds {type(listed[0]).__name__}s "
+                                 f"(dtype {getattr(values, 'dtype', '?')}): pass the int64 block table")
             return listed
     try:
         return list(values)
     except TypeError:
         raise BadRequest(f"{what} must be a sequence of block ids (the list alloc returned, or a slice of "
                          f"it), got {type(values).__name__} {values!r:.40}") from None
+
+
+def count_arg(count: int) -> int:
+    """A block count as the message holds it: any integer (a numpy one too) as a Python int;
+    ``BadRequest`` for anything else (a string, a float, a bool), before anything is sent."""
+    if isinstance(count, bool):
+        raise BadRequest(f"count must be a number of blocks, got {count!r}")
+    try:
+        return operator.index(count)
+    except TypeError:
+        raise BadRequest(f"count must be an integer number of blocks, got {type(count).__name__} "
+                         f"{count!r:.40}") from None
 
 
 def encode_request(msg: m.Message) -> bytes:

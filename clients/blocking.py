@@ -26,6 +26,7 @@ from clients._wire import (
     client_closed,
     completion_or_raise,
     connection_lost,
+    count_arg,
     default_socket_path,
     encode_request,
     expect_request,
@@ -295,7 +296,7 @@ class Client:
         """Lease ``count`` free blocks of ``pool`` to this session; returns their ids (not necessarily
         contiguous or sorted). They stay leased until :meth:`free` or the end of the session.
         ``OutOfBlocks`` when fewer are free; ``NotFound`` names the pools there are."""
-        return self._call(m.Alloc(id=self._id(), pool=pool, count=count), m.Allocated).block_ids
+        return self._call(m.Alloc(id=self._id(), pool=pool, count=count_arg(count)), m.Allocated).block_ids
 
     def free(self, pool: str, block_ids: list[int]) -> int:
         """Return leased blocks to ``pool``; returns how many. All or nothing: ``BlockNotLeased`` if an id

@@ -419,6 +419,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "pages are followed to the end)")
     _paging_options(p_sessions, "sessions")
     p_ping = sub.add_parser("ping", parents=[common], help=helps["ping"], description=helps["ping"])
+    p_ping.set_defaults(ping_usage=p_ping.format_usage)
     p_ping.add_argument("--wait", type=_positive, metavar="SECONDS",
                         help="retry until the daemon answers or SECONDS pass (scripts that start kvd)")
     p_ping.add_argument("--pid", type=_count, metavar="PID",
@@ -449,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exc:
         return EXIT_USAGE if exc.code else EXIT_OK
     if args.command == "ping" and args.pid is not None and not args.wait:
-        parser.print_usage(sys.stderr)
+        sys.stderr.write(args.ping_usage())  # ping's own usage line, not kvctl's
         print("kvctl ping: error: --pid needs --wait SECONDS (it ends the wait early)", file=sys.stderr)
         return EXIT_USAGE
     try:

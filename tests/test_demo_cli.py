@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from kvd.demo.pair import DEMO_COPIES, GEOMETRY, host_memory_available, too_large
 from protocol.layout import KVLayout
@@ -108,3 +109,13 @@ def test_bench_transfer_refuses_a_request_larger_than_memory(option: str) -> Non
     line = run.stderr.splitlines()[-1]
     assert line.startswith(f"kvd bench transfer: error: {option} {blocks}: a request of "), line
     assert re.search(rf"give fewer {option} \(at most \d+\)$", line), line
+
+
+@pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="the refusal of a machine without GPU 1")
+def test_bench_transfer_on_cuda_without_the_gpu_is_one_error_line() -> None:
+    """``--device cuda`` on a machine without GPU 1 (the gen pools' default): one error line on
+    stderr, as every other refusal of the bench, exit 2 (it printed to stdout, without 'error:')."""
+    run = kvd("bench", "transfer", "--device", "cuda", timeout=60)
+    assert run.returncode == 2 and run.stdout == "" and "Traceback" not in run.stderr, (run.stdout, run.stderr)
+    assert run.stderr.splitlines()[-1].startswith(
+        "kvd bench transfer: error: --device cuda puts the gen pools on GPU 1: this machine has "), run.stderr

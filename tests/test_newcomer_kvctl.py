@@ -61,5 +61,6 @@ def test_pid_without_wait_is_a_usage_error(short_tmp: Path) -> None:
     run = kvctl("ping", "--pid", "1", socket=str(short_tmp / "never.sock"))
     assert run.returncode == 2
     assert "kvctl ping: error: --pid needs --wait SECONDS (it ends the wait early)" in run.stderr
+    assert run.stderr.startswith("usage: kvctl ping "), run.stderr  # ping's usage, not kvctl's
     run = kvctl("ping", "--wait", "1", "--pid", "0", socket=str(short_tmp / "never.sock"))
     assert run.returncode == 2 and "must be at least 1" in run.stderr

@@ -5,6 +5,9 @@
   unsupported``; the array is now taken as its ``tolist()``, and a value that still cannot be
   sent (a numpy integer as the rank) is a ``BadRequest`` saying what to pass, nothing sent;
 - a single block id where a list belongs raised ``TypeError: 'int' object is not iterable``;
+- ``alloc("pool", "3")`` and a float tensor of block ids were refused by the daemon as an
+  invalid message (``Expected `int`, got `str` - at `$.count```); the client now says what
+  it wanted;
 - ``KVD_SOCKET=`` (empty) made kvctl and the clients connect to "" while the daemon takes it as
   unset;
 - a call on a ``Client`` after its ``with`` block said ``cannot send to the daemon: [Errno 9] Bad
@@ -63,9 +66,20 @@ def test_values_that_cannot_be_sent_are_a_bad_request_and_the_session_goes_on(
         with pytest.raises(BadRequest, match=r"^\[bad_request\] block_ids must be a sequence of block ids "
                                              r"\(the list alloc returned, or a slice of it\), got int 5$"):
             kvd.expect("r", "host0", pool.layout, 0, 5)  # type: ignore[arg-type]
+        # a count or an id array of the wrong kind says so here, not as "[protocol] invalid
+        # message: Expected `int`, got `str` - at `$.count`" from the daemon
+        with pytest.raises(BadRequest, match=r"^\[bad_request\] count must be an integer number of blocks, "
+                                             r"got str '3'$"):
+            kvd.alloc("host0", "3")  # type: ignore[arg-type]
+        with pytest.raises(BadRequest, match=r"count must be a number of blocks, got True"):
+            kvd.alloc("host0", True)
+        with pytest.raises(BadRequest, match=r"^\[bad_request\] block_ids must be integers; this array holds "
+                                             r"floats \(dtype torch.float32\)"):
+            kvd.expect("r", "host0", pool.layout, 0, torch.tensor(ids, dtype=torch.float32))  # type: ignore[arg-type]
         assert kvd.transfers() == []  # nothing was sent
         assert kvd.ping(b"on") == b"on"
         assert kvd.free("host0", ids) == 2
+        assert len(kvd.alloc("host0", np.int64(1))) == 1  # a numpy integer is a count
 
 
 async def test_async_client_takes_arrays_and_refuses_what_it_cannot_send(

@@ -25,6 +25,7 @@ import os
 import shutil
 import socket
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -250,8 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     g = args.gen_gpu
     if g < 0 or torch.cuda.device_count() <= g:
-        print(f"kvd bench transfer --device cuda puts the gen pools on GPU {g}: this machine has "
-              f"{torch.cuda.device_count()} GPU(s) (--gen-gpu 0 runs everything on one GPU)")
+        print(f"kvd bench transfer: error: --device cuda puts the gen pools on GPU {g}: this machine has "
+              f"{torch.cuda.device_count()} GPU(s) (--gen-gpu 0 runs everything on one GPU)", file=sys.stderr)
         return 2
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     sizes = sorted({int(x) for x in args.sizes.split(",") if x} | {args.blocks})
