@@ -33,7 +33,7 @@ async def _settled(client: AsyncClient) -> int:
 
 
 def _logged(d: DaemonProcess, event: str) -> list[dict[str, object]]:
-    return [json.loads(line) for line in d.log().splitlines() if f'"event": "{event}"' in line]
+    return [json.loads(line) for line in d.log().splitlines() if f'"event":"{event}"' in line]
 
 
 @pytest.mark.parametrize("gen_first", [True, False])

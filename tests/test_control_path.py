@@ -33,7 +33,7 @@ TP2_WIDE = KVLayout(**{**GEO, "head_dim": 128}, tp_size=2)  # type: ignore[arg-t
 def _lines(d: DaemonProcess, event: str, rid: str) -> list[dict[str, object]]:
     out = []
     for line in d.log().splitlines():
-        if f'"event": "{event}"' in line:
+        if f'"event":"{event}"' in line:
             rec = json.loads(line)
             if rec.get("request_id") == rid:
                 out.append(rec)

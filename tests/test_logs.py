@@ -189,9 +189,10 @@ def test_console_off_a_tty_has_no_escape_codes() -> None:
     assert "ZeroDivisionError: nope" in text
 
 
-def test_json_lines_are_json_dumps_output_with_structlogs_fallbacks() -> None:
-    """The renderer reuses one encoder: each line is what ``json.dumps`` writes (the separators
-    log readers match on), values JSON cannot hold become their ``__structlog__()`` or ``repr``."""
+def test_json_lines_are_compact_json_with_structlogs_fallbacks() -> None:
+    """The renderer is msgspec's JSON encoder: each line is compact JSON (``"event":"x"``, what
+    log readers match on), values JSON cannot hold become their ``__structlog__()`` or
+    ``repr``, and a NaN is ``null`` (valid JSON, where ``json.dumps`` wrote ``NaN``)."""
 
     class Custom:
         def __structlog__(self) -> dict[str, int]:
@@ -207,10 +208,11 @@ def test_json_lines_are_json_dumps_output_with_structlogs_fallbacks() -> None:
                                 text="é\u2028", nan=float("nan"), pair=(1, 2))
     line = out.getvalue().splitlines()[0]
     record = json.loads(line)
-    assert line == json.dumps(record)  # the same separators and escapes as json.dumps
-    assert '"event": "transfer.done"' in line
+    assert line == json.dumps(record, separators=(",", ":"))  # compact, and ASCII: U+2028 stays escaped
+    assert len(out.getvalue().splitlines()) == 1
+    assert '"event":"transfer.done"' in line
     assert record["custom"] == {"n": 1} and record["opaque"] == "<opaque>" and record["pair"] == [1, 2]
-    assert record["text"] == "é\u2028" and record["nan"] != record["nan"]
+    assert record["text"] == "é\u2028" and record["nan"] is None
 
 
 def test_timestamps_always_carry_microseconds(monkeypatch: pytest.MonkeyPatch) -> None:

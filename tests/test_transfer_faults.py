@@ -399,7 +399,7 @@ time.sleep(120)
 
 
 def _failed(d: DaemonProcess, rid: str) -> list[str]:
-    return [line for line in d.log().splitlines() if '"event": "transfer.failed"' in line and f'"{rid}"' in line]
+    return [line for line in d.log().splitlines() if '"event":"transfer.failed"' in line and f'"{rid}"' in line]
 
 
 @pytest.mark.parametrize("gen_peer", ["", "ctx"])

@@ -32,7 +32,7 @@ TP2 = KVLayout(**GEO, tp_size=2)  # type: ignore[arg-type]
 
 
 def _lines(d: DaemonProcess, event: str) -> list[dict[str, object]]:
-    return [json.loads(line) for line in d.log().splitlines() if f'"event": "{event}"' in line]
+    return [json.loads(line) for line in d.log().splitlines() if f'"event":"{event}"' in line]
 
 
 def _local(**extra: object) -> dict[str, object]:

@@ -20,6 +20,7 @@ import sys
 import time
 from typing import Literal, TextIO, cast
 
+import msgspec
 import structlog
 from structlog.typing import EventDict, FilteringBoundLogger, Processor
 
@@ -68,13 +69,23 @@ def _json_fallback(obj: object) -> object:
     return structlog_form() if callable(structlog_form) else repr(obj)
 
 
-#: One encoder for every line: ``json.dumps(..., default=...)`` builds a new one per call.
-#: The same settings as ``json.dumps``, so the lines are byte for byte what they were.
-_JSON = json.JSONEncoder(default=_json_fallback)
+#: One encoder for every line. msgspec's, not the standard library's: a ``transfer.done``
+#: line took 7.4 us to encode with ``json.JSONEncoder`` and 1.1 us with this one (timeit,
+#: warm; several times that in a daemon's step, where caches are cold), and a daemon writes
+#: one per request and side. Its lines are compact (``{"a":1}``), enums are their values,
+#: sets lists, and a NaN is ``null`` (the standard encoder wrote ``NaN``, which is not JSON).
+_JSON = msgspec.json.Encoder(enc_hook=_json_fallback)
+#: For the rare line with text outside ASCII: msgspec writes it as it is, and a line holding
+#: U+2028 or U+0085 is two lines to Python's ``str.splitlines`` (and to some log shippers);
+#: escaped, as the standard encoder does, every line is one line to every reader.
+_ASCII_JSON = json.JSONEncoder(default=_json_fallback, separators=(",", ":"), allow_nan=True)
 
 
 def _dumps(event_dict: EventDict, **_kw: object) -> str:
-    return _JSON.encode(event_dict)
+    data = _JSON.encode(event_dict)
+    if data.isascii():
+        return data.decode()
+    return _ASCII_JSON.encode(msgspec.json.decode(data))  # (NaN is null already: valid JSON)
 
 
 class _UtcStamper:
