@@ -114,7 +114,7 @@ async def test_a_request_handled_in_its_callers_steps_starts_no_task() -> None:
         # ended in the caller's step, before any checkpoint
         assert t.finished.is_set() and rig.ended == [t]
         assert [c.ok for c in rig.reports] == [False] and rig.reports[0].error_code == "transfer_cancelled"
-        assert rig.spawned == [] and t._inbox is None
+        assert rig.spawned == [] and not t._inbox.opened
         assert not nursery.child_tasks
 
 
@@ -130,7 +130,7 @@ async def test_an_announce_the_link_takes_at_once_and_the_peers_answer_start_no_
         t.post(x.XferPath(request_id="r-lazy", path="mapped", layout=ONE, blocks={0: []}))
         t.post(x.XferDone(request_id="r-lazy", writes=0, bytes=0, chunks=0))
         assert t.finished.is_set() and rig.ended == [t] and [c.ok for c in rig.reports] == [True]
-        assert rig.spawned == [] and t._inbox is None
+        assert rig.spawned == [] and not t._inbox.opened
         assert len(rig.watched) == 1 and math.isfinite(rig.watched[0])  # the engine's timer watched it
 
 

@@ -76,7 +76,7 @@ async def test_an_offer_after_the_end_finds_the_transfer_finished() -> None:
     await _fail_rank0(t)
     assert t.finished.is_set() and ended == [t]
     assert t.machine.state(f.Role.GEN) is f.State.FAILED and not t.machine.fail_sent
-    assert t._rx.statistics().current_buffer_used == 0  # nothing left unhandled
+    assert t._inbox.rx.statistics().current_buffer_used == 0  # nothing left unhandled
 
 
 async def test_a_deadline_moved_while_the_actor_sleeps_expires_the_side_then(
@@ -94,7 +94,7 @@ async def test_a_deadline_moved_while_the_actor_sleeps_expires_the_side_then(
         start = trio.current_time()
         t.feed(f.RankRegistered(f.Role.GEN, deadline=start + 100))
         assert t._sleep is not None and t._sleep.deadline == start + 100
-        assert t._rx.statistics().current_buffer_used == 0  # nothing queued: no wake-up
+        assert t._inbox.rx.statistics().current_buffer_used == 0  # nothing queued: no wake-up
         t.feed(f.RankRegistered(f.Role.GEN, deadline=start + 5))  # earlier: moves it
         t.feed(f.RankRegistered(f.Role.GEN, deadline=start + 50))  # later: no change
         assert t._sleep is not None and t._sleep.deadline == start + 5

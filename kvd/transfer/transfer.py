@@ -37,6 +37,7 @@ import trio
 from kvd.ops.logctx import bind_request_id, unbind_request_id
 from kvd.ops.steptrace import mark
 from kvd.regroup.plan import CheckedBlocks, Plan, check_blocks, plan
+from kvd.transfer.lazychannel import LazyChannel
 from kvd.transfer.paths import bounce, direct, fragment, local, mapped
 from kvd.transfer.paths.base import Job, Sent
 from kvd.transfer.requests import Side
@@ -223,15 +224,13 @@ class Transfer:
         self.created = time.monotonic()
         self.finished = trio.Event()
         self.forgetting = False  # the engine drops it soon
-        # the actor's inbox, opened on first use: a request handled in its callers' steps never queues
-        self._inbox: tuple[trio.MemorySendChannel[Any], trio.MemoryReceiveChannel[Any]] | None = None
-        # the bounce path's channels (notified chunks, receive credits), opened on first use:
-        # most transfers (mapped, direct, local) never use them, and each costs ~3 us to open
-        self._notifs: tuple[trio.MemorySendChannel[x.Notif], trio.MemoryReceiveChannel[x.Notif]] | None = None
-        self._grants: tuple[trio.MemorySendChannel[int], trio.MemoryReceiveChannel[int]] | None = None
-        # slots gen granted before the channel is open: they go into it when it opens (the
-        # bounce path); the mapped and direct paths never open it
-        self._granted: list[int] = []
+        # the actor's inbox, the bounce path's notified chunks and the receive slots gen
+        # granted (in order), each opened when first read (see LazyChannel): a request
+        # handled in its callers' steps never queues, and the mapped, direct and local paths
+        # never read the other two (gen grants two slots with every announce all the same)
+        self._inbox: LazyChannel[Any] = LazyChannel()
+        self._notifs: LazyChannel[x.Notif] = LazyChannel()
+        self._grants: LazyChannel[int] = LazyChannel()
         self._scopes: dict[f.Role, trio.CancelScope] = {}
         self._pending_scatters = 0
         self._nursery: trio.Nursery | None = None
@@ -260,54 +259,10 @@ class Transfer:
         self._ending = False  # they were cancelled: one started now starts cancelled
         self._tasks_done: trio.Event | None = None  # the actor waits on it for the last task's end
 
-    @property
-    def _tx(self) -> trio.MemorySendChannel[Any]:
-        return self._inbox_channel()[0]
-
-    @property
-    def _rx(self) -> trio.MemoryReceiveChannel[Any]:
-        return self._inbox_channel()[1]
-
-    def _inbox_channel(self) -> tuple[trio.MemorySendChannel[Any], trio.MemoryReceiveChannel[Any]]:
-        if self._inbox is None:
-            self._inbox = trio.open_memory_channel[Any](math.inf)
-        return self._inbox
-
-    @property
-    def _notifs_tx(self) -> trio.MemorySendChannel[x.Notif]:
-        return self._notif_channel()[0]
-
-    @property
-    def _notifs_rx(self) -> trio.MemoryReceiveChannel[x.Notif]:
-        return self._notif_channel()[1]
-
-    def _notif_channel(self) -> tuple[trio.MemorySendChannel[x.Notif], trio.MemoryReceiveChannel[x.Notif]]:
-        if self._notifs is None:
-            self._notifs = trio.open_memory_channel[x.Notif](math.inf)
-        return self._notifs
-
-    @property
-    def _grants_rx(self) -> trio.MemoryReceiveChannel[int]:
-        return self._grant_channel()[1]
-
-    def _grant_channel(self) -> tuple[trio.MemorySendChannel[int], trio.MemoryReceiveChannel[int]]:
-        if self._grants is None:
-            self._grants = trio.open_memory_channel[int](math.inf)
-            granted, self._granted = self._granted, []
-            for slot in granted:
-                self._grants[0].send_nowait(slot)
-        return self._grants
-
     def _grant(self, slots: list[int]) -> None:
-        """Receive slots gen granted, for the bounce sender, in order: into the channel once it
-        is open, else kept for it. Every announce grants two slots, and opening the channel
-        for them cost ~30 us of the ctx daemon's step (cold, steptrace) on the paths that
-        never read them (mapped, direct)."""
-        if self._grants is None:
-            self._granted.extend(slots)
-            return
+        """Receive slots gen granted, for the bounce sender, in order."""
         for slot in slots:
-            self._grants[0].send_nowait(slot)
+            self._grants.send_nowait(slot)
 
     @property
     def key(self) -> tuple[str, str]:
@@ -393,7 +348,7 @@ class Transfer:
         """Put ``item`` in the actor's inbox, behind what is there; start the actor if it has
         not been (never once the transfer ended: what comes then stays unread, as it always did)."""
         self._queued += 1
-        self._tx.send_nowait(item)
+        self._inbox.send_nowait(item)
         if not self._actor and self.env.spawn is not None and not self.finished.is_set():
             self._actor = True
             self.env.spawn(self.run, True)
@@ -480,14 +435,14 @@ class Transfer:
         while not self.machine.finished:
             item: Any = None
             try:  # queued already (e.g. what made the engine start the actor): taken
-                item = self._rx.receive_nowait()  # without receive()'s scheduler pass
+                item = self._inbox.rx.receive_nowait()  # without receive()'s scheduler pass
                 self._queued -= 1
             except trio.WouldBlock:
                 # once expired, the deadline has done its work: a side still aborting
                 # waits for its writes (or the peer's word), however long that takes
                 with trio.move_on_at(math.inf if self._expired else self.machine.deadline) as sleep:
                     self._sleep = None if self._expired else sleep  # feed may move its deadline
-                    item = await self._rx.receive()
+                    item = await self._inbox.rx.receive()
                     self._queued -= 1
                 self._sleep = None
             if item is None:
@@ -530,7 +485,7 @@ class Transfer:
         the messages that came meanwhile, until the inbox is empty."""
         while True:
             try:
-                item = self._rx.receive_nowait()
+                item = self._inbox.rx.receive_nowait()
             except trio.WouldBlock:
                 return
             self._queued -= 1
@@ -689,7 +644,7 @@ class Transfer:
             # the scatter is counted in flight by the same event, before it is queued
             self._pending_scatters += 1
             self.feed(f.NotifSeen(f.Role.GEN, scatter=True))
-            self._notifs_tx.send_nowait(n)
+            self._notifs.send_nowait(n)
             return
         self.feed(f.NotifSeen(f.Role.GEN))
 
@@ -1174,16 +1129,16 @@ class Transfer:
         self.feed(f.PathChosen(f.Role.CTX, f.Path.BOUNCE))  # its path message names bounce_chunk
         self.sides[f.Role.CTX].chunks_total = len(chunks)
         first: int | None = None
-        if self._grants_rx.statistics().current_buffer_used == 0:
+        if self._grants.rx.statistics().current_buffer_used == 0:
             self.round_trips += 1  # path out, first grant back (none came with the destination)
         with trio.move_on_after(self.env.cfg.bounce_wait_s):
-            first = await self._grants_rx.receive()
+            first = await self._grants.rx.receive()
         if first is None:
             reason = f"no receive credit from {self.peer} within bounce_wait_s={self.env.cfg.bounce_wait_s}"
             log.warning("transfer.bounce_fallback", peer=self.peer, reason=reason, fragments=p.num_fragments())
             self.feed(f.PathChosen(f.Role.CTX, f.Path.FRAGMENT))
             return await fragment.send(job)
-        job.grants = self._grants_rx.receive
+        job.grants = self._grants.rx.receive
         job.staging, job.slot_pool = staging.send, staging.send_slots
         job.remote_region, job.remote_slot_bytes = link.bounce, link.slot_bytes
         return await bounce.send(job, chunks, self.bounce_chunk, first)
@@ -1234,7 +1189,7 @@ class Transfer:
             if receiver.withhold:
                 log.warning("transfer.credits_withheld", reason="transfer.grant_credits = false")
             try:
-                await receiver.run(self._notifs_rx)
+                await receiver.run(self._notifs.rx)
             finally:
                 # chunks notified but never scattered (aborted): their scatters will not run
                 if self._pending_scatters:
