@@ -23,11 +23,16 @@ class LayoutFields(TypedDict, total=False):
     num_blocks: int
 
 
-class Geometry(TypedDict):
-    """The model geometry every layout needs; the parallel layout is passed as keywords next to it."""
+class Shape(TypedDict):
+    """The model geometry without its element type (a pool config gives that separately)."""
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
     tokens_per_block: int
+
+
+class Geometry(Shape):
+    """The model geometry every layout needs; the parallel layout is passed as keywords next to it."""
+
     dtype: str
