@@ -11,9 +11,10 @@ from kvd.regroup.boxcopy import copy_boxes, supports_box_copy, widest_view
 from kvd.regroup.gpu_pipeline import _box_view
 from kvd.regroup.plan import Plan, plan
 from protocol.layout import VLLM_AXIS_ORDER, KVLayout
+from tests.layout_fields import LayoutFields
 
-GEO = {"num_layers": 6, "num_kv_heads": 4, "head_dim": 8, "tokens_per_block": 4, "dtype": "bfloat16", "num_blocks": 12}
-CASES = {
+GEO: LayoutFields = {"num_layers": 6, "num_kv_heads": 4, "head_dim": 8, "tokens_per_block": 4, "dtype": "bfloat16", "num_blocks": 12}
+CASES: dict[str, tuple[LayoutFields, LayoutFields]] = {
     "tp1_tp4": ({}, {"tp_size": 4}),
     "tp4_tp1": ({"tp_size": 4}, {}),
     "pp2_pp1_uneven": ({"pp_size": 2, "layer_split": (2, 4)}, {}),
@@ -25,7 +26,9 @@ CASES = {
 
 def _setup(case: str) -> tuple[Plan, dict[int, torch.Tensor], dict[int, torch.Tensor], dict[int, torch.Tensor]]:
     c_kw, g_kw = CASES[case]
-    ctx, gen = KVLayout(**{**GEO, **c_kw}), KVLayout(**{**GEO, **g_kw})
+    ctx_kw: LayoutFields = {**GEO, **c_kw}
+    gen_kw: LayoutFields = {**GEO, **g_kw}
+    ctx, gen = KVLayout(**ctx_kw), KVLayout(**gen_kw)
     rng = random.Random(case)
     cb = {r: rng.sample(range(12), 5) for r in range(ctx.world_size)}
     gb = {r: rng.sample(range(12), 5) for r in range(gen.world_size)}

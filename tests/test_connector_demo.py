@@ -16,9 +16,10 @@ import pytest
 from kvd.demo.connector import main, schedule
 from kvd.demo.launch import DaemonProcess
 from protocol.layout import KVLayout
+from tests.layout_fields import Geometry
 from tests.transfer_harness import start_pair
 
-GEOMETRY = {"num_layers": 2, "num_kv_heads": 4, "head_dim": 32, "tokens_per_block": 16, "dtype": "bfloat16"}
+GEOMETRY: Geometry = {"num_layers": 2, "num_kv_heads": 4, "head_dim": 32, "tokens_per_block": 16, "dtype": "bfloat16"}
 CTX = KVLayout(**GEOMETRY, tp_size=1)
 GEN = KVLayout(**GEOMETRY, tp_size=2, axis_order=("layer", "kv", "block", "head", "token", "dim"))
 ROOT = Path(__file__).resolve().parent.parent

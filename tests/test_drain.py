@@ -138,6 +138,7 @@ def test_local_request_without_its_gen_side_fails_on_sigterm(daemon_factory: Fac
     d = daemon_factory({"drain_timeout_s": 300.0}, name="solo")
     with Client(d.socket_path, client="ctx", timeout=IO_TIMEOUT) as ctx:
         layout = ctx.pools()[0].layout
+        assert layout is not None
     raw = Raw(d.socket_path)  # the wait must be in before the signal: its Ping answered after it
     raw.hello("ctx")
     raw.send_body({"type": "alloc", "id": 2, "pool": "host0", "count": 2})

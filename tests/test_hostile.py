@@ -46,6 +46,7 @@ from protocol.peer import (
 )
 from tests.conftest import host_pool
 from tests.hostile import IO_TIMEOUT, Baseline, Raw, RawPeer, events, fd_count, wait_until
+from tests.layout_fields import Shape
 from tests.transfer_harness import write_secret
 
 Factory = Callable[..., DaemonProcess]
@@ -462,7 +463,7 @@ def test_huge_names_and_request_ids_are_refused(daemon_factory: Factory) -> None
 def test_a_reply_too_large_fails_the_request_not_the_session(daemon_factory: Factory) -> None:
     n = 3000  # TransferInfo of a 256-character id is ~400 bytes: ~1.2 MB, more than a 1 MiB frame
     # one tiny block per request: a block belongs to one unfinished request at a time
-    tiny = {"num_layers": 1, "num_kv_heads": 1, "head_dim": 8, "tokens_per_block": 1}
+    tiny: Shape = {"num_layers": 1, "num_kv_heads": 1, "head_dim": 8, "tokens_per_block": 1}
     d = daemon_factory({"pools": [host_pool("host0", **tiny, num_blocks=n)],
                         "limits": {"max_frame_size": 1 << 20, "max_inflight_per_session": 4096}})
     base = Baseline.take(d)

@@ -62,6 +62,7 @@ def served() -> Iterator[tuple[DaemonProcess, Client, KVLayout]]:
     holder = Client(d.socket_path, client="holder", timeout=10)
     try:
         layout = holder.pools()[0].layout
+        assert layout is not None
         ids = holder.alloc("host0", 3)
         holder.expect("req-pending", "host0", layout, 0, ids[:2], deadline_s=600)
         yield d, holder, layout
@@ -563,6 +564,7 @@ def test_lists_follow_the_pages_to_the_end(daemon_factory: Callable[..., DaemonP
     holders = [Client(d.socket_path, client=f"holder-{i}", timeout=10) for i in range(4)]
     try:
         layout = holders[0].pools()[0].layout
+        assert layout is not None
         ids = holders[0].alloc("host0", 7)
         for i, b in enumerate(ids):
             holders[0].expect(f"req-{i}", "host0", layout, 0, [b], deadline_s=600)

@@ -15,16 +15,17 @@ from clients import open_client
 from kvd.demo.launch import DaemonProcess
 from protocol.errors import TransferTimeout
 from protocol.layout import KVLayout
-from protocol.messages import Stats
+from protocol.messages import DaemonStats
+from tests.layout_fields import Geometry
 from tests.transfer_harness import assert_exact, run_transfer, start_pair, wait_for_peer
 
 Factory = Callable[..., DaemonProcess]
-GEO = {"num_layers": 4, "num_kv_heads": 8, "head_dim": 64, "tokens_per_block": 32, "dtype": "bfloat16"}
-ONE = KVLayout(**GEO)  # type: ignore[arg-type]
-TP2 = KVLayout(**GEO, tp_size=2)  # type: ignore[arg-type]
+GEO: Geometry = {"num_layers": 4, "num_kv_heads": 8, "head_dim": 64, "tokens_per_block": 32, "dtype": "bfloat16"}
+ONE = KVLayout(**GEO)
+TP2 = KVLayout(**GEO, tp_size=2)
 
 
-async def _stats(d: DaemonProcess) -> Stats:
+async def _stats(d: DaemonProcess) -> DaemonStats:
     """``d``'s stats once no transfer is active (a request's end is counted after its replies)."""
     async with open_client(d.socket_path) as c:
         with trio.fail_after(20):

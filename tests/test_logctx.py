@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import structlog
 from structlog.testing import capture_logs
+from structlog.typing import EventDict
 
 from kvd.ops.logctx import bind_request_id, unbind_request_id
 
 log = structlog.get_logger("test")
 
 
-def _logged(event: str) -> dict[str, object]:
+def _logged(event: str) -> EventDict:
     with capture_logs(processors=[structlog.contextvars.merge_contextvars]) as lines:
         log.info(event)
     return lines[0]

@@ -27,13 +27,13 @@ import pytest
 import trio
 
 from clients import Client, open_client
-from kvd.demo.launch import DaemonProcess
+from kvd.demo.launch import DaemonProcess, write_config
 from kvd.startup import EX_CONFIG
 from protocol.errors import BadRequest, ConnectionClosed, IncompatibleLayout, NotFound, TransferTimeout
 from protocol.layout import KVLayout
 from tests.conftest import host_pool
 from tests.test_ops_access import CLIENT, NOBODY, _as_nobody
-from tests.test_startup_errors import base_config, check_failure, secret, serve, write_config
+from tests.test_startup_errors import base_config, check_failure, secret, serve
 
 LOST = "open a new Client once kvd answers again (kvctl ping --wait SECONDS)"
 
@@ -176,9 +176,9 @@ def test_layout_mistakes_say_what_to_leave_out(daemon_factory: Callable[..., Dae
             g0.expect("r", "gen0", msgspec.structs.replace(gen, num_blocks=64), 0, ids)
         assert info.value.message == ("layout says num_blocks=64, pool 'gen0' has 8; leave the layout's "
                                       "num_blocks at 0 (it then takes the pool's)")
-        with pytest.raises(BadRequest) as info:
+        with pytest.raises(BadRequest) as bad:
             g0.expect("r", "gen0", gen, 0, ids, ranks=[0])
-        assert info.value.message == ("request 'r': without attention DP every rank takes part; got ranks [0]: "
+        assert bad.value.message == ("request 'r': without attention DP every rank takes part; got ranks [0]: "
                                       "leave ranks out, and have every rank of the layout register")
         assert g0.transfers() == []
         g0.free("gen0", ids)

@@ -31,6 +31,12 @@ from clients import Client, PollingClient, open_client
 from kvd.demo.launch import DaemonProcess
 from protocol.errors import BadRequest, ConnectionClosed, TransferCancelled
 
+# The clients annotate block ids as ``list[int]`` and counts and ranks as ``int``. At run time
+# they also take a numpy array or torch tensor of ids and a numpy integer count (what these tests
+# check), and refuse the deliberately wrong values of the error paths: those calls carry a
+# targeted ``# type: ignore[arg-type]`` (``[misc]`` for the list of numpy integers).
+BlockTable = Callable[[list[int]], "np.ndarray | torch.Tensor"]
+
 DEFAULT = "/run/kvd/kvd.sock"
 CLOSED = "this client is closed (its `with` block ended, or close() was called): the daemon is not at fault"
 
@@ -40,13 +46,14 @@ def test_a_block_table_given_as_an_array_or_a_tensor_is_taken(daemon_factory: Ca
     with Client(d.socket_path, client="arrays") as kvd:
         [pool] = kvd.pools()
         assert pool.layout is not None
-        for i, table in enumerate((np.array, torch.tensor)):
+        tables: tuple[BlockTable, ...] = (np.array, torch.tensor)
+        for i, table in enumerate(tables):
             ids = kvd.alloc("host0", 2)
-            kvd.expect(f"r{i}", "host0", pool.layout, 0, table(ids), deadline_s=30)
+            kvd.expect(f"r{i}", "host0", pool.layout, 0, table(ids), deadline_s=30)  # type: ignore[arg-type]
             kvd.cancel(f"r{i}")
             with pytest.raises(TransferCancelled, match="cancelled by client"):
                 kvd.wait(f"r{i}", timeout_s=30)
-            assert kvd.free("host0", table(ids)) == 2
+            assert kvd.free("host0", table(ids)) == 2  # type: ignore[arg-type]
         assert {t.request_id for t in kvd.transfers()} == {"r0", "r1"}
 
 
@@ -60,9 +67,10 @@ def test_values_that_cannot_be_sent_are_a_bad_request_and_the_session_goes_on(
         with pytest.raises(BadRequest, match=r"^\[bad_request\] Expect cannot be sent: Encoding objects of type "
                                              r"numpy.int64 is unsupported; block ids, ranks and counts must be "
                                              r"Python ints"):
-            kvd.expect("r", "host0", pool.layout, np.int64(0), ids)
+            kvd.expect("r", "host0", pool.layout, np.int64(0), ids)  # type: ignore[arg-type]
         with pytest.raises(BadRequest, match=r"^\[bad_request\] Publish cannot be sent: .*numpy.int64"):
-            kvd.publish_and_wait("r", "host0", pool.layout, 0, [np.int64(i) for i in ids], "values", timeout_s=1)
+            kvd.publish_and_wait("r", "host0", pool.layout, 0, [np.int64(i) for i in ids], "values",  # type: ignore[misc]
+                                 timeout_s=1)
         with pytest.raises(BadRequest, match=r"^\[bad_request\] block_ids must be a sequence of block ids "
                                              r"\(the list alloc returned, or a slice of it\), got int 5$"):
             kvd.expect("r", "host0", pool.layout, 0, 5)  # type: ignore[arg-type]
@@ -79,7 +87,7 @@ def test_values_that_cannot_be_sent_are_a_bad_request_and_the_session_goes_on(
         assert kvd.transfers() == []  # nothing was sent
         assert kvd.ping(b"on") == b"on"
         assert kvd.free("host0", ids) == 2
-        assert len(kvd.alloc("host0", np.int64(1))) == 1  # a numpy integer is a count
+        assert len(kvd.alloc("host0", np.int64(1))) == 1  # type: ignore[arg-type]  # a numpy integer is a count
 
 
 async def test_async_client_takes_arrays_and_refuses_what_it_cannot_send(
@@ -90,13 +98,13 @@ async def test_async_client_takes_arrays_and_refuses_what_it_cannot_send(
         assert pool.layout is not None
         ids = await kvd.alloc("host0", 2)
         with pytest.raises(BadRequest, match=r"^\[bad_request\] Expect cannot be sent: .*numpy.int64"):
-            await kvd.expect("r", "host0", pool.layout, np.int64(0), ids)
+            await kvd.expect("r", "host0", pool.layout, np.int64(0), ids)  # type: ignore[arg-type]
         assert not kvd._pending  # the refused call left no reply slot behind
-        await kvd.expect("r", "host0", pool.layout, 0, np.array(ids), deadline_s=30)
+        await kvd.expect("r", "host0", pool.layout, 0, np.array(ids), deadline_s=30)  # type: ignore[arg-type]
         await kvd.cancel("r")
         with pytest.raises(TransferCancelled, match="cancelled by client"):
             await kvd.wait("r", timeout_s=30)
-        assert await kvd.free("host0", torch.tensor(ids)) == 2
+        assert await kvd.free("host0", torch.tensor(ids)) == 2  # type: ignore[arg-type]
     with pytest.raises(ConnectionClosed) as info:
         await kvd.ping()
     assert info.value.message.startswith(CLOSED), info.value.message

@@ -22,9 +22,10 @@ from protocol.errors import BadRequest, ConnectionClosed, error_from_code
 from protocol.layout import KVLayout
 from protocol.messages import Completion
 from tests.conftest import host_pool
+from tests.layout_fields import Geometry
 from tests.transfer_harness import start_pair
 
-GEOMETRY = {"num_layers": 2, "num_kv_heads": 4, "head_dim": 32, "tokens_per_block": 16, "dtype": "bfloat16"}
+GEOMETRY: Geometry = {"num_layers": 2, "num_kv_heads": 4, "head_dim": 32, "tokens_per_block": 16, "dtype": "bfloat16"}
 CTX = KVLayout(**GEOMETRY, tp_size=1)
 GEN = KVLayout(**GEOMETRY, tp_size=2, axis_order=("layer", "kv", "block", "head", "token", "dim"))
 CANONICAL = ("block", "layer", "kv", "head", "token", "dim")
@@ -75,7 +76,8 @@ def run_workers(ctx: PollingClient, gen: dict[int, PollingClient]) -> None:
     ctx_pool = blocks_of(CTX, ctx.attach("ctx0").tensor)
     gen_pool = {r: blocks_of(GEN, gen[r].attach(f"gen{r}").tensor) for r in (0, 1)}
     sizes = [1 + i % 3 for i in range(REQUESTS)]
-    ctx_ids, gen_ids = {}, {r: {} for r in (0, 1)}  # request -> its blocks
+    ctx_ids: dict[str, list[int]] = {}  # request -> its blocks
+    gen_ids: dict[int, dict[str, list[int]]] = {r: {} for r in (0, 1)}
     for i, n in enumerate(sizes):
         rid = str(i)
         for r in (0, 1):

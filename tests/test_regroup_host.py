@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import random
 import weakref
-from typing import Any
 
 import numpy as np
 import pytest
@@ -23,12 +22,13 @@ from kvd.regroup.plan import KVLayout, Plan, plan
 from kvd.regroup.stager import gather, schedule
 from kvd.regroup.table import chunk_ranges, pair_grid
 from protocol.layout import TRTLLM_AXIS_ORDER, VLLM_AXIS_ORDER
+from tests.layout_fields import Geometry, LayoutFields
 from tests.test_plan import SENTINEL, cases, new_pools, write_request
 
 U8 = np.ndarray
 
 #: Named layout kinds: (ctx overrides, gen overrides, geometry overrides).
-KINDS: dict[str, tuple[dict[str, Any], dict[str, Any], dict[str, Any]]] = {
+KINDS: dict[str, tuple[LayoutFields, LayoutFields, LayoutFields]] = {
     "tp1_tp4": ({}, {"tp_size": 4}, {}),
     "tp4_tp1": ({"tp_size": 4}, {}, {}),
     "tp2_tp2_direct": ({"tp_size": 2}, {"tp_size": 2}, {}),
@@ -48,15 +48,17 @@ KINDS: dict[str, tuple[dict[str, Any], dict[str, Any], dict[str, Any]]] = {
         {},
     ),
 }
-BASE = {"num_layers": 5, "num_kv_heads": 4, "head_dim": 8, "tokens_per_block": 4, "dtype": "bfloat16", "num_blocks": 9}
+BASE: LayoutFields = {"num_layers": 5, "num_kv_heads": 4, "head_dim": 8, "tokens_per_block": 4, "dtype": "bfloat16", "num_blocks": 9}
 
 
 def build(kind: str, seed: int = 0, tokens: int = 19) -> tuple[Plan, dict[int, U8], dict[int, U8]]:
     """Plan, source pools holding the request, and the reference destination pools."""
     c_kw, g_kw, geo = KINDS[kind]
-    base = {**BASE, **geo}
-    ctx = KVLayout(**{**base, **c_kw})
-    gen = KVLayout(**{**base, **g_kw})
+    base: LayoutFields = {**BASE, **geo}
+    ctx_kw: LayoutFields = {**base, **c_kw}
+    gen_kw: LayoutFields = {**base, **g_kw}
+    ctx = KVLayout(**ctx_kw)
+    gen = KVLayout(**gen_kw)
     rnd = random.Random(f"{kind}{seed}")
     n_c = -(-tokens // ctx.tokens_per_block)
     n_g = -(-tokens // gen.tokens_per_block)
@@ -96,8 +98,8 @@ def run_all(p: Plan, src: dict[int, U8], chunk: int, engine: rg.Engine = "host")
     direct = sentinel_pools(p)
     before = {r: a.copy() for r, a in src.items()}
     for s in p.src_ranks():
-        c = rg.regroup(p, s, wrap(src[s]), {d: wrap(a) for d, a in direct.items()}, engine=engine)
-        assert c.done() and c.engine == engine and c.nbytes == p.total_bytes(s=s)
+        done = rg.regroup(p, s, wrap(src[s]), {d: wrap(a) for d, a in direct.items()}, engine=engine)
+        assert done.done() and done.engine == engine and done.nbytes == p.total_bytes(s=s)
     bounced = sentinel_pools(p)
     sched = schedule(p, chunk_bytes=chunk, bounce_size_mb=1)
     ranges = chunk_ranges(p, chunk)
@@ -114,8 +116,8 @@ def run_all(p: Plan, src: dict[int, U8], chunk: int, engine: rg.Engine = "host")
         np.testing.assert_array_equal(staging[: r.nbytes], stager.numpy(), err_msg=f"chunk {r} differs from stager")
         rg.scatter_chunk(p, r.src, r.dst, wrap(staging), wrap(bounced[r.dst]), offset=r.offset, nbytes=r.nbytes,
                          engine=engine)
-    for r, a in src.items():
-        np.testing.assert_array_equal(a, before[r], err_msg="source pool modified")
+    for rank, a in src.items():
+        np.testing.assert_array_equal(a, before[rank], err_msg="source pool modified")
     return {"regroup": direct, "gather+scatter": bounced}
 
 
@@ -138,7 +140,7 @@ def test_torch_path_matches_on_cpu_tensors(kind: str) -> None:
 
 def test_stream_is_the_fragment_stream() -> None:
     """Run j of the grid is the planner's fragment stream cut into runs (GPT-OSS TP1 -> TP4)."""
-    geo = {"num_layers": 36, "num_kv_heads": 8, "head_dim": 64, "tokens_per_block": 32, "dtype": "bfloat16"}
+    geo: Geometry = {"num_layers": 36, "num_kv_heads": 8, "head_dim": 64, "tokens_per_block": 32, "dtype": "bfloat16"}
     ctx, gen = KVLayout(**geo, num_blocks=64), KVLayout(**geo, tp_size=4, num_blocks=64)
     rnd = random.Random(3)
     p = plan(ctx, gen, {0: rnd.sample(range(64), 16)}, {r: rnd.sample(range(64), 16) for r in range(4)})

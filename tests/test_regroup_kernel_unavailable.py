@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from structlog.testing import capture_logs
+from structlog.typing import EventDict
 
 from kvd.regroup import kernel
 
@@ -32,7 +33,7 @@ def _nvrtc_loads() -> bool:
     return True
 
 
-def unavailable(logs: list[dict[str, object]]) -> list[dict[str, object]]:
+def unavailable(logs: list[EventDict]) -> list[EventDict]:
     return [e for e in logs if e["event"] == "regroup.kernel_unavailable"]
 
 

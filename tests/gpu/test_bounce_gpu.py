@@ -19,6 +19,7 @@ import trio
 
 from kvd.demo.launch import DaemonProcess
 from protocol.layout import VLLM_AXIS_ORDER, KVLayout
+from tests.layout_fields import Geometry, LayoutFields
 from tests.transfer_harness import assert_exact, run_transfer, start_pair
 
 pytestmark = [
@@ -28,8 +29,8 @@ pytestmark = [
 
 MiB = 1 << 20
 #: a block is 6 x 2 x 8 x 32 x 128 x 2 B = 768 KiB
-GEO = {"num_layers": 6, "num_kv_heads": 8, "head_dim": 128, "tokens_per_block": 32, "dtype": "bfloat16"}
-CASES = {
+GEO: Geometry = {"num_layers": 6, "num_kv_heads": 8, "head_dim": 128, "tokens_per_block": 32, "dtype": "bfloat16"}
+CASES: dict[str, tuple[LayoutFields, LayoutFields]] = {
     "tp1_to_tp4": ({}, {"tp_size": 4}),
     "vllm_tp2_to_tp4": ({"tp_size": 2, "axis_order": VLLM_AXIS_ORDER}, {"tp_size": 4}),
     "tpb32_to_tpb16_tp2": ({}, {"tokens_per_block": 16, "tp_size": 2}),
@@ -42,7 +43,7 @@ def _gen_device() -> int:
 
 
 def _done(d: DaemonProcess, rid: str) -> dict[str, object]:
-    lines = [json.loads(line) for line in d.log().splitlines() if '"transfer.done"' in line]
+    lines: list[dict[str, object]] = [json.loads(line) for line in d.log().splitlines() if '"transfer.done"' in line]
     (done,) = [e for e in lines if e["request_id"] == rid]
     return done
 
@@ -52,8 +53,9 @@ def _done(d: DaemonProcess, rid: str) -> dict[str, object]:
 async def test_gpu_bounce_is_byte_exact(case: str, notifs: bool, daemon_factory: Callable[..., DaemonProcess],
                                         short_tmp: Path) -> None:
     c_kw, g_kw = CASES[case]
-    ctx = KVLayout(**{**GEO, **c_kw})  # type: ignore[arg-type]
-    gen = KVLayout(**{**GEO, **g_kw})  # type: ignore[arg-type]
+    ctx_kw: LayoutFields = {**GEO, **c_kw}
+    gen_kw: LayoutFields = {**GEO, **g_kw}
+    ctx, gen = KVLayout(**ctx_kw), KVLayout(**gen_kw)
     # 32 blocks = 24 MiB through 4 receive slots of 4 MiB: slots are reused, chunks cut runs
     pair = start_pair(daemon_factory, short_tmp, ctx, gen, num_blocks=64, memory="auto", ctx_device=0,
                       gen_device=_gen_device(),
@@ -76,7 +78,7 @@ async def test_gpu_bounce_reposts_write_handles_across_requests(daemon_factory: 
                                                                  short_tmp: Path) -> None:
     # GPU staging: every request's writes repost the handles the earlier ones made (one per
     # send slot, receive slot and length); each request's bytes land exact all the same
-    ctx, gen = KVLayout(**GEO), KVLayout(**{**GEO, "tp_size": 4})  # type: ignore[arg-type]
+    ctx, gen = KVLayout(**GEO), KVLayout(**GEO, tp_size=4)
     pair = start_pair(daemon_factory, short_tmp, ctx, gen, num_blocks=64, memory="auto", ctx_device=0,
                       gen_device=_gen_device(), transfer={"bounce_size_mb": 16, "chunk_mb": 4})
     for i in range(3):
@@ -94,12 +96,12 @@ async def test_cancelled_wait_for_a_launched_gather_waits_for_the_kernel() -> No
     from tests.bounce_harness import plan_of
 
     # 64 layers x 2 x 8 x 32 x 128 x 2 B = 8 MiB a block, 2 MiB per gen rank of 4; 128 blocks
-    big = {**GEO, "num_layers": 64}
-    ctx, gen = KVLayout(**big), KVLayout(**{**big, "tp_size": 4})  # type: ignore[arg-type]
+    big: Geometry = {**GEO, "num_layers": 64}
+    ctx, gen = KVLayout(**big), KVLayout(**big, tp_size=4)
     p = plan_of(ctx, gen, 128)
     nbytes = p.total_bytes(0, 0)
     assert nbytes == 256 * MiB
-    src = torch.randint(0, 256, (KVLayout(**big, num_blocks=128).pool_bytes(0),), dtype=torch.uint8,  # type: ignore[arg-type]
+    src = torch.randint(0, 256, (KVLayout(**big, num_blocks=128).pool_bytes(0),), dtype=torch.uint8,
                         device="cuda:0")
     staging = torch.zeros(nbytes, dtype=torch.uint8, device="cuda:0")
     torch.cuda.synchronize()

@@ -15,8 +15,10 @@ Skipped cleanly where ``torch.cuda.is_available()`` is False.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from unittest.mock import patch
 
 import numpy as np
+import numpy.typing as npt
 import pytest
 import torch
 from structlog.testing import capture_logs
@@ -25,7 +27,9 @@ from kvd.regroup import apply as rg
 from kvd.regroup import kernel
 from kvd.regroup.plan import KVLayout, Plan, plan
 from kvd.regroup.table import chunk_ranges, pair_grid
-from tests.test_regroup_host import KINDS, SENTINEL, build, check, sentinel_pools
+from tests.layout_fields import Geometry
+from tests.test_plan import SENTINEL
+from tests.test_regroup_host import KINDS, build, check, sentinel_pools
 
 pytestmark = [
     pytest.mark.gpu,
@@ -137,7 +141,7 @@ def test_kernel_orders_after_work_on_its_stream() -> None:
 
 
 def test_gpt_oss_geometry_tp1_to_tp4() -> None:
-    geo = {"num_layers": 36, "num_kv_heads": 8, "head_dim": 64, "tokens_per_block": 32, "dtype": "bfloat16"}
+    geo: Geometry = {"num_layers": 36, "num_kv_heads": 8, "head_dim": 64, "tokens_per_block": 32, "dtype": "bfloat16"}
     ctx, gen = KVLayout(**geo, num_blocks=40), KVLayout(**geo, tp_size=4, num_blocks=40)
     rng = np.random.default_rng(5)
     p = plan(ctx, gen, {0: rng.permutation(40)[:24]}, {r: rng.permutation(40)[:24] for r in range(4)})
@@ -181,7 +185,7 @@ def test_engines_agree_on_narrow_elements() -> None:
         src_t = to_dev(src, "cuda:0")
         dst_t = to_dev(sentinel_pools(p), "cuda:0")
         for s in p.src_ranks():
-            rg.regroup(p, s, src_t[s], dst_t, engine=engine).wait()  # type: ignore[arg-type]
+            rg.regroup(p, s, src_t[s], dst_t, engine=engine).wait()
         outs[engine] = back(dst_t, p)
     check(outs["kernel"], want, "kernel")
     check(outs["torch"], want, "torch")
@@ -191,7 +195,7 @@ def test_launch_template_reused_across_requests_of_one_shape() -> None:
     """Requests of one layout pair and size reuse one launch template: each still lands its
     own blocks byte for byte, and a destination pool smaller than its layout is refused
     before anything is launched."""
-    geo = {"num_layers": 4, "num_kv_heads": 8, "head_dim": 64, "tokens_per_block": 16, "dtype": "bfloat16"}
+    geo: Geometry = {"num_layers": 4, "num_kv_heads": 8, "head_dim": 64, "tokens_per_block": 16, "dtype": "bfloat16"}
     ctx, gen = KVLayout(**geo, num_blocks=32), KVLayout(**geo, tp_size=4, num_blocks=32)
     src = torch.randint(0, 256, (ctx.pool_bytes(0),), dtype=torch.uint8, device="cuda:0")
     got = {r: torch.full((gen.pool_bytes(r),), SENTINEL, dtype=torch.uint8, device="cuda:0") for r in range(4)}
@@ -214,7 +218,7 @@ def test_launch_template_reused_across_requests_of_one_shape() -> None:
 def test_chunk_templates_serve_every_request_of_a_shape() -> None:
     """Bounce chunks of requests with one shape are gathered and scattered from cached launch
     templates: each request's bytes still arrive exactly, chunk cuts and all."""
-    geo = {"num_layers": 4, "num_kv_heads": 8, "head_dim": 64, "tokens_per_block": 16, "dtype": "bfloat16"}
+    geo: Geometry = {"num_layers": 4, "num_kv_heads": 8, "head_dim": 64, "tokens_per_block": 16, "dtype": "bfloat16"}
     ctx, gen = KVLayout(**geo, num_blocks=24), KVLayout(**geo, tp_size=2, num_blocks=24)
     src = torch.randint(0, 256, (ctx.pool_bytes(0),), dtype=torch.uint8, device="cuda:0")
     staging = torch.zeros(1 << 20, dtype=torch.uint8, device="cuda:0")
@@ -232,7 +236,7 @@ def test_chunk_templates_serve_every_request_of_a_shape() -> None:
 
 
 def _gpt_oss_launch(blocks: int) -> tuple[Plan, torch.Tensor, dict[int, torch.Tensor], dict[int, torch.Tensor]]:
-    geo = {"num_layers": 36, "num_kv_heads": 8, "head_dim": 64, "tokens_per_block": 32, "dtype": "bfloat16"}
+    geo: Geometry = {"num_layers": 36, "num_kv_heads": 8, "head_dim": 64, "tokens_per_block": 32, "dtype": "bfloat16"}
     n = max(64, blocks)
     ctx, gen = KVLayout(**geo, num_blocks=n), KVLayout(**geo, tp_size=4, num_blocks=n)
     rng = np.random.default_rng(blocks)
@@ -260,15 +264,13 @@ def test_each_table_size_takes_its_parameter_or_device_memory(
     seen: list[int] = []
     run = k.run
 
-    def spy(table: np.ndarray, *a: object, **kw: object) -> object:
+    def spy(table: npt.NDArray[np.int64], npairs: int, ntiles: int, stream: int, *,
+            small: bool | None = None) -> kernel.DriverEvent:
         seen.append(table.size)
-        return run(table, *a, **kw)  # type: ignore[arg-type]
+        return run(table, npairs, ntiles, stream, small=small)
 
-    k.run = spy  # type: ignore[method-assign]
-    try:
+    with patch.object(k, "run", spy):  # on exit the instance attribute is deleted: k.run is the method again
         rg.regroup(p, 0, src, got, engine="kernel").wait()
-    finally:
-        del k.run
     assert len(seen) == 1 and k.table_path(seen[0]) == path, seen
     for r in got:
         assert torch.equal(got[r], ref[r]), r
@@ -299,11 +301,11 @@ def test_a_driver_that_refuses_the_32_kib_parameter_falls_back_to_device_memory(
     large = k._func_large
     real = k._enqueue_param
 
-    def refusing(cu: object, table: np.ndarray, npairs: int, ntiles: int, hs: object, func: object,
-                 *rest: object) -> object:
+    def refusing(cu: object, table: npt.NDArray[np.int64], npairs: int, ntiles: int, hs: object, func: object,
+                 buf: npt.NDArray[np.int64], ptrs_addr: int) -> kernel.DriverEvent:
         if func is large:
             raise kernel.KernelError("cuLaunchKernel failed: CUDA_ERROR_INVALID_VALUE")
-        return real(cu, table, npairs, ntiles, hs, func, *rest)  # type: ignore[arg-type]
+        return real(cu, table, npairs, ntiles, hs, func, buf, ptrs_addr)
 
     monkeypatch.setattr(k, "_enqueue_param", refusing)
     try:
