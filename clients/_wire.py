@@ -134,8 +134,12 @@ def encode_request(msg: m.Message) -> bytes:
                          "elements use int(x), or .tolist() on the array)") from None
 
 
-def connection_lost(what: str) -> ConnectionClosed:
-    """The daemon's end of a session went away: ``what`` happened, and what to do about it."""
+def connection_lost(what: str, *, closed: bool = False) -> ConnectionClosed:
+    """The daemon's end of a session went away: ``what`` happened, and what to do about it; or,
+    when this client was ``closed`` by its own process (the socket op failed because of that),
+    :func:`client_closed`."""
+    if closed:
+        return client_closed()
     return ConnectionClosed(f"{what}; {LOST_HINT}", by_peer=True)
 
 

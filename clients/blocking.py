@@ -23,7 +23,6 @@ from clients._wire import (
     ANCILLARY_SIZE,
     SocketUnreachable,
     check_reply,
-    client_closed,
     completion_or_raise,
     connection_lost,
     count_arg,
@@ -137,8 +136,7 @@ class Client:
                     f"the daemon did not answer within {self._sock.gettimeout()} s (this Client's timeout); "
                     "give Client a larger timeout, or None", by_peer=False) from None
             except OSError as exc:
-                raise client_closed() if self._closed else connection_lost(
-                    f"connection to the daemon broke: {exc}") from None
+                raise connection_lost(f"connection to the daemon broke: {exc}", closed=self._closed) from None
             fds = fds_from_ancillary(anc)
             if not data:
                 for fd in fds:
@@ -185,7 +183,7 @@ class Client:
         try:
             self._sock.sendall(data)
         except OSError as exc:
-            raise client_closed() if self._closed else connection_lost(f"cannot send to the daemon: {exc}") from None
+            raise connection_lost(f"cannot send to the daemon: {exc}", closed=self._closed) from None
 
     def _route(self, reply: m.Message) -> bool:
         """Take a reply that is not the one a call waits for; False (the default): it is dropped

@@ -28,7 +28,6 @@ import socket
 
 from clients._wire import (
     ANCILLARY_SIZE,
-    client_closed,
     connection_lost,
     encode_request,
     expect_request,
@@ -160,8 +159,7 @@ class PollingClient(Client):
                 except BlockingIOError:
                     return
                 except OSError as exc:
-                    raise client_closed() if self._closed else connection_lost(
-                        f"connection to the daemon broke: {exc}") from None
+                    raise connection_lost(f"connection to the daemon broke: {exc}", closed=self._closed) from None
                 for fd in fds_from_ancillary(anc):  # no reply to a watch carries fds
                     os.close(fd)
                 if not data:
