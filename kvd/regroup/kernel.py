@@ -414,13 +414,9 @@ class RegroupKernel:
         base = self._argvals.__array_interface__["data"][0]
         self._argptrs = np.array([base, base + 8, base + 16], dtype=np.uint64)
         self._argptrs_addr = int(self._argptrs.__array_interface__["data"][0])
-        # the small kernel's one parameter (pair count, then the table), likewise built once
-        self._small = np.zeros(SMALL_WORDS + 1, dtype=np.int64)
-        self._small_ptrs = np.array([self._small.__array_interface__["data"][0]], dtype=np.uint64)
-        self._small_ptrs_addr = int(self._small_ptrs.__array_interface__["data"][0])
-        self._large = np.zeros(LARGE_WORDS + 1, dtype=np.int64)
-        self._large_ptrs = np.array([self._large.__array_interface__["data"][0]], dtype=np.uint64)
-        self._large_ptrs_addr = int(self._large_ptrs.__array_interface__["data"][0])
+        # the 4 KiB and 32 KiB entry points' one parameter each, likewise built once
+        self._small, self._small_ptrs, self._small_ptrs_addr = _param_buffer(SMALL_WORDS)
+        self._large, self._large_ptrs, self._large_ptrs_addr = _param_buffer(LARGE_WORDS)
         self._args_lock = threading.Lock()
         #: completed events, recorded again by later launches (no create/destroy per launch)
         self._events: list[Any] = []
@@ -582,6 +578,15 @@ class RegroupKernel:
         finally:
             _check(cu.cuMemFreeAsync(dptr, hs), "cuMemFreeAsync")
         return DriverEvent(self.ctx, hs, self._events)
+
+
+def _param_buffer(words: int) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.uint64], int]:
+    """A parameter-table entry point's one parameter: a buffer of the pair count and ``words``
+    table words, the one-pointer array ``cuLaunchKernel`` takes (keep both alive while
+    launching) and that array's address."""
+    buf = np.zeros(words + 1, dtype=np.int64)
+    ptrs = np.array([buf.__array_interface__["data"][0]], dtype=np.uint64)
+    return buf, ptrs, int(ptrs.__array_interface__["data"][0])
 
 
 def _grid(ntiles: int) -> tuple[int, int]:
