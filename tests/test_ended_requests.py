@@ -31,6 +31,7 @@ import pytest
 import trio
 
 from clients import open_client
+from clients.client import AsyncClient
 from kvd.demo.launch import DaemonProcess
 from protocol.errors import KvdError, TransferCancelled
 from protocol.layout import KVLayout
@@ -56,16 +57,21 @@ async def logged(d: DaemonProcess, event: str, count: int = 1, **fields: object)
     return await trio.to_thread.run_sync(partial(d.logged, event, count, 30.0, **fields))
 
 
+async def register_rank(c: AsyncClient, rid: str, rank: int, *, deadline_s: float, role: str, peer: str) -> None:
+    """Rank ``rank`` of 2 registers ``rid`` on its own two blocks: ``expect`` (gen) or ``publish`` (ctx)."""
+    ids = await c.alloc(f"{role}{rank}", 2)
+    if role == "gen":
+        await c.expect(rid, f"gen{rank}", GEN, rank, ids, ranks=[0, 1], deadline_s=deadline_s, peer=peer)
+    else:
+        await c.publish(rid, f"ctx{rank}", CTX2, rank, ids, ranks=[0, 1], peer=peer, deadline_s=deadline_s)
+
+
 async def end_with_rank0_only(d: DaemonProcess, rid: str, *, deadline_s: float = 60.0, how: str = "cancel",
                               role: str = "gen", peer: str = "") -> None:
     """Rank 0 of 2 registers ``rid`` and leaves (cancel, then its wait; or its executor
     disconnects): the side ends before rank 1 registered, and no executor holds it any more."""
     async with open_client(d.socket_path, client=f"{role}0") as c:
-        ids = await c.alloc(f"{role}0", 2)
-        if role == "gen":
-            await c.expect(rid, "gen0", GEN, 0, ids, ranks=[0, 1], deadline_s=deadline_s, peer=peer)
-        else:
-            await c.publish(rid, "ctx0", CTX2, 0, ids, ranks=[0, 1], peer=peer, deadline_s=deadline_s)
+        await register_rank(c, rid, 0, deadline_s=deadline_s, role=role, peer=peer)
         if how == "cancel":
             await c.cancel(rid)
             with pytest.raises(KvdError):  # cancelled (or, with a short deadline, timed out first)
@@ -77,11 +83,7 @@ async def late_rank1(d: DaemonProcess, rid: str, *, deadline_s: float = 60.0, ro
                      peer: str = "") -> None:
     """Rank 1 of 2 registers ``rid`` (raises what the registration raises)."""
     async with open_client(d.socket_path, client=f"{role}1") as c:
-        ids = await c.alloc(f"{role}1", 2)
-        if role == "gen":
-            await c.expect(rid, "gen1", GEN, 1, ids, ranks=[0, 1], deadline_s=deadline_s, peer=peer)
-        else:
-            await c.publish(rid, "ctx1", CTX2, 1, ids, ranks=[0, 1], peer=peer, deadline_s=deadline_s)
+        await register_rank(c, rid, 1, deadline_s=deadline_s, role=role, peer=peer)
         await c.cancel(rid)  # registered as a new request: end it (the caller only checks that)
 
 
