@@ -29,6 +29,15 @@ front; a ``publish`` that finds it moves bytes with zero peer round trips::
     NIXL writes / mapped copies
     XferDone(writes, bytes)              ──▶   gen done once it saw ``writes`` notifications
 
+On the mapped path between GPUs of one node the path message may name a *landed event*
+(:class:`LandedEvent`): a CUDA interprocess event the ctx daemon recorded right after the
+request's one kernel launch, on the stream it launched on. The gen daemon opens it and, when it
+completes, knows every byte is in its blocks without waiting for ``XferDone`` (which still
+follows, and is then a harmless confirmation); ``XferFail`` before that still fails gen::
+
+    XferPath(mapped, landed=(device, slot, handle, nbytes)) ──▶   gen polls the event
+    XferDone(0, bytes)                   ──▶   (gen may be done already)
+
 A side that fails sends one ``XferFail``; ctx sends it only once none of its writes can land
 (``writes_stopped``), and gen reports failure (and frees its blocks) only after that. ctx sends
 it also when it failed before the gen daemon said anything (``deadline_s`` > 0): gen ranks
@@ -113,6 +122,26 @@ class XferGrant(XferMessage, frozen=True, tag="xfer_grant"):
     slot: Slot
 
 
+#: Bytes of a CUDA interprocess event handle (``CUipcEventHandle``).
+IPC_EVENT_HANDLE_BYTES = 64
+#: Landed-event slots a ctx daemon cycles through per device and stream.
+MAX_LANDED_SLOTS = 1024
+
+
+class LandedEvent(msgspec.Struct, frozen=True, kw_only=True):
+    """A CUDA interprocess event the ctx daemon recorded after the request's last write was
+    enqueued (see the module docstring). ``slot`` numbers the ctx daemon's events (it reuses
+    them in turn on one stream, so a reused slot completes only after the request that named
+    it before: a late reader waits longer, never less); ``nbytes`` and ``chunks`` are what the
+    request moves, as ``XferDone`` would say."""
+
+    device: Annotated[int, msgspec.Meta(ge=0, lt=1 << 16)]  # ctx's CUDA ordinal
+    slot: Annotated[int, msgspec.Meta(ge=0, lt=MAX_LANDED_SLOTS)]
+    handle: Annotated[bytes, msgspec.Meta(min_length=IPC_EVENT_HANDLE_BYTES, max_length=IPC_EVENT_HANDLE_BYTES)]
+    nbytes: ByteCount
+    chunks: Count
+
+
 class XferPath(XferMessage, frozen=True, tag="xfer_path"):
     """The path the sender takes ("mapped", "direct", "bounce", or "fragment" when no receive
     slot came in time after "bounce"), sent before its first write; with the ctx side's layout
@@ -128,6 +157,8 @@ class XferPath(XferMessage, frozen=True, tag="xfer_path"):
     # receive slots as Credit notifications rather than XferGrant messages
     chunk_bytes: ByteCount = 0
     credits: Name = ""
+    # mapped: the event that completes when every byte is in gen's blocks (None: wait for XferDone)
+    landed: LandedEvent | None = None
 
 
 class XferDone(XferMessage, frozen=True, tag="xfer_done"):

@@ -22,8 +22,9 @@ every event:
 - **offer**: ctx is ready and knows no destination → send an offer (today's flow);
 - **start**: ctx is ready and knows the destination → start the data path (zero peer round
   trips when the destination was announced before ``publish``);
-- **complete**: ctx's data is out (``DataOut`` here, ``XferDone`` from the peer) and gen has
-  seen every write notification and finished its own scatters → gen is done;
+- **complete**: ctx's data is out (``DataOut`` here, ``XferDone`` from the peer, or
+  :class:`LandedSeen`: gen saw the CUDA event ctx recorded after its one kernel complete) and
+  gen has seen every write notification and finished its own scatters → gen is done;
 - **spread**: one side aborting or failed → the other aborts too;
 - **report**: a side that is aborting reports failure (and gives its blocks and slots back)
   only once no write can land any more: ctx when its own writes are over; gen when its own
@@ -56,6 +57,7 @@ __all__ = [
     "FINAL",
     "JOINT",
     "LOCAL_EVENTS",
+    "OBSERVED_EVENTS",
     "REMOTE_EVENTS",
     "TRANSITIONS",
     "AbortWrites",
@@ -68,6 +70,7 @@ __all__ = [
     "Disconnect",
     "Event",
     "FailReceived",
+    "LandedSeen",
     "LocalFailure",
     "NotifSeen",
     "OfferReceived",
@@ -231,6 +234,17 @@ class LocalFailure(Event):
 
     code: str = "transfer_failed"
     message: str = ""
+
+
+# what the gen daemon observes of the peer's ctx side itself (no message)
+@dataclass(frozen=True)
+class LandedSeen(Event):
+    """gen: the CUDA event ctx's path message named (recorded right after the request's one
+    kernel launch) completed: every byte ctx writes is in gen's blocks and none can land any
+    more, as ``XferDone`` would say (which still comes, as a confirmation). ``nbytes``: what
+    the path message said the request moves."""
+
+    nbytes: int = 0
 
 
 # messages of the peer, about ITS side (role = the sender's side)
@@ -404,15 +418,18 @@ TRANSITIONS: dict[Role, dict[State, dict[type[Event], State]]] = {
         _S.SENDING: {
             # PathReceived: the peer's ctx switched bounce → fragment
             PathChosen: _S.SENDING, PathReceived: _S.SENDING, **_keep(_S.SENDING, WritePosted, WriteEnded),
-            DataOut: _S.DONE, DataDoneReceived: _S.DONE, FailReceived: _S.FAILED, **_FAILURES,
+            DataOut: _S.DONE, DataDoneReceived: _S.DONE, LandedSeen: _S.DONE, FailReceived: _S.FAILED,
+            **_FAILURES,
         },
-        _S.DONE: {FailReceived: _S.DONE, **_keep(_S.DONE, Cancel, Disconnect)},
+        # DataDoneReceived in DONE: the confirmation after LandedSeen (a duplicate otherwise:
+        # refused by its effects)
+        _S.DONE: {FailReceived: _S.DONE, **_keep(_S.DONE, Cancel, Disconnect, LandedSeen, DataDoneReceived)},
         _S.ABORTING: {
-            **_keep(_S.ABORTING, WriteEnded, PathChosen, Cancel, Disconnect, LocalFailure),
+            **_keep(_S.ABORTING, WriteEnded, PathChosen, Cancel, Disconnect, LocalFailure, LandedSeen),
             FailReceived: _S.FAILED,
         },
         _S.FAILED: {**_keep(_S.FAILED, FailReceived, Cancel, Disconnect, LocalFailure, DataDoneReceived,
-                                PathReceived)},
+                                PathReceived, LandedSeen)},
     },
     Role.GEN: {
         _S.IDLE: {
@@ -467,6 +484,9 @@ LOCAL_EVENTS: frozenset[type[Event]] = frozenset({
     RankRegistered, SideComplete, PathChosen, WritePosted, WriteEnded, DataOut, NotifSeen,
     Cancel, Disconnect, LocalFailure,
 })
+#: What a daemon observes of the peer's side by itself (no message), and of which side: only
+#: where that side is the peer's and the other one is hosted here.
+OBSERVED_EVENTS: dict[type[Event], Role] = {LandedSeen: Role.CTX}
 #: Peer messages and the side that sends them.
 REMOTE_EVENTS: dict[type[Event], frozenset[Role]] = {
     OfferReceived: frozenset({Role.CTX}),
@@ -519,6 +539,7 @@ class TransferMachine:
     writes_expected: int = -1  # from ctx's DataOut / XferDone; -1 = not known yet
     nbytes: int = 0
     fenced: bool = False  # the peer can no longer write
+    landed: bool = False  # gen saw ctx's landed event: ctx's XferDone is a confirmation
     fail_sent: bool = False  # our one XferFail went out
     talked: bool = False  # a message went to or came from the peer
     heard: bool = False  # a message came from the peer
@@ -637,7 +658,11 @@ class TransferMachine:
         etype = type(event)
         role = event.role
         hosted = role in self.here
-        if etype in LOCAL_EVENTS:
+        if etype in OBSERVED_EVENTS:
+            if hosted or OBSERVED_EVENTS[etype] is not role or _OTHER[role] not in self.here:
+                raise LocalProtocolError(f"{etype.__name__} is what a daemon hosting only the other side of "
+                                         f"{OBSERVED_EVENTS[etype].value} sees; got it for {role.value}")
+        elif etype in LOCAL_EVENTS:
             if not hosted:
                 raise LocalProtocolError(f"{etype.__name__} for the {role.value} side, which the peer plays")
             only = _LOCAL_ONLY.get(etype)
@@ -655,7 +680,7 @@ class TransferMachine:
         side = self.ctx if role is _CTX else self.gen
         new = TRANSITIONS[role][side.state].get(etype)
         if new is None:
-            err = LocalProtocolError if hosted else RemoteProtocolError
+            err = LocalProtocolError if hosted or etype in OBSERVED_EVENTS else RemoteProtocolError
             raise err(f"{etype.__name__} not allowed while the {role.value} side is {side.state.value}")
         _EFFECTS[etype](self, event, side, new, out)
 
@@ -731,8 +756,21 @@ class TransferMachine:
 
     def _on_data_done_received(self, event: DataDoneReceived, side: SideState, new: State,
                                out: list[Action]) -> None:
+        if side.state is _DONE:
+            if not self.landed or event.writes:
+                raise RemoteProtocolError("XferDone for a ctx side that is done already")
+            return  # the confirmation of what the landed event said
         if side.state is _SENDING:
             self.writes_expected, self.nbytes = event.writes, event.nbytes
+        self._set(side, new)
+
+    def _on_landed_seen(self, event: LandedSeen, side: SideState, new: State, out: list[Action]) -> None:
+        if side.state is _SENDING:
+            if self.path is not Path.MAPPED:
+                raise LocalProtocolError(f"a landed event on the {self.path.value if self.path else 'unknown'} "
+                                         "path (only the mapped path's kernel records one)")
+            self.landed = True
+            self.writes_expected, self.nbytes = 0, event.nbytes
         self._set(side, new)
 
     def _on_fail_received(self, event: FailReceived, side: SideState, new: State, out: list[Action]) -> None:
@@ -879,12 +917,13 @@ _EFFECTS: dict[type[Event], Callable[[TransferMachine, Any, SideState, State, li
     NotifSeen: TransferMachine._on_notif_seen,
     DataOut: TransferMachine._on_data_out,
     DataDoneReceived: TransferMachine._on_data_done_received,
+    LandedSeen: TransferMachine._on_landed_seen,
     FailReceived: TransferMachine._on_fail_received,
     Cancel: TransferMachine._on_stop,
     Disconnect: TransferMachine._on_stop,
     LocalFailure: TransferMachine._on_stop,
 }
-assert set(_EFFECTS) == LOCAL_EVENTS | set(REMOTE_EVENTS), "every event needs its effects"
+assert set(_EFFECTS) == LOCAL_EVENTS | set(REMOTE_EVENTS) | set(OBSERVED_EVENTS), "every event needs its effects"
 
 def mermaid(role: Role) -> str:
     """The state graph of ``role`` as a mermaid ``stateDiagram-v2``, drawn from :data:`TRANSITIONS`
@@ -895,7 +934,7 @@ def mermaid(role: Role) -> str:
     for state, row in TRANSITIONS[role].items():
         for etype, new in row.items():
             if new is not state:
-                label = etype.__name__ if etype in LOCAL_EVENTS else f"peer: {etype.__name__}"
+                label = f"peer: {etype.__name__}" if etype in REMOTE_EVENTS else etype.__name__
                 edges.setdefault((state, new), []).append(label)
     for state, targets in JOINT[role].items():
         for new in sorted(targets, key=lambda s: s.value):

@@ -19,6 +19,7 @@ import clients.kvctl
 import kvd.bench.bounce_host
 import kvd.bench.copy_engines
 import kvd.bench.ipc
+import kvd.bench.ipc_events
 import kvd.bench.latency_ab
 import kvd.bench.launch_cost
 import kvd.bench.layouts
@@ -50,6 +51,7 @@ PARSERS: dict[str, Callable[[], argparse.ArgumentParser]] = {
     "python -m kvd.bench.latency_ab": kvd.bench.latency_ab.build_parser,
     "python -m kvd.bench.launch_cost": kvd.bench.launch_cost.build_parser,
     "python -m kvd.bench.timeline": kvd.bench.timeline.build_parser,
+    "python -m kvd.bench.ipc_events": kvd.bench.ipc_events.build_parser,
     "kvctl": clients.kvctl.build_parser,
     "python -m kvd.demo.connector": kvd.demo.connector.build_parser,
 }
@@ -57,7 +59,7 @@ PARSERS: dict[str, Callable[[], argparse.ArgumentParser]] = {
 MODULES = {"kvd/cli.py", "kvd/demo/pair.py", "kvd/demo/model/cli.py", "kvd/bench/ipc.py", "kvd/bench/regroup.py",
            "kvd/bench/transfer.py", "kvd/bench/transfer_gpu.py", "kvd/bench/layouts.py", "kvd/bench/rawnixl.py", "clients/kvctl.py",
            "kvd/bench/copy_engines.py", "kvd/bench/bounce_host.py", "kvd/demo/connector.py",
-           "kvd/bench/latency_ab.py", "kvd/bench/timeline.py", "kvd/bench/launch_cost.py"}
+           "kvd/bench/latency_ab.py", "kvd/bench/timeline.py", "kvd/bench/launch_cost.py", "kvd/bench/ipc_events.py"}
 #: reStructuredText that means nothing on a terminal
 RST = re.compile(r"``|:(?:class|func|mod|meth|data|attr):`")
 

@@ -11,6 +11,7 @@ import contextlib
 import os
 import random
 import re
+import select
 import shutil
 import stat
 import subprocess
@@ -851,3 +852,33 @@ async def test_cork_writes_what_a_step_sends_in_one_go() -> None:
             nursery.cancel_scope.cancel()
     b.close()
     await conn.aclose()
+
+
+async def test_send_soon_leaves_its_frame_to_the_writer_and_keeps_call_order() -> None:
+    """A frame queued with send_soon is not written by the call nor by an uncork (nothing is in
+    the socket until the writer runs); a frame sent now after it takes it along, first; with
+    no writer running nothing is queued."""
+    ca, cb = await _socket_pair()
+    assert not ca.send_soon(Ping(payload=b"no writer"))
+    fd = cb.stream.socket.fileno()  # type: ignore[attr-defined]
+
+    def readable() -> bool:
+        return bool(select.select([fd], [], [], 0)[0])
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(ca.run_writer)
+        await trio.testing.wait_all_tasks_blocked()
+        ca.cork()
+        assert ca.send_soon(Ping(payload=b"later"))
+        ca.uncork()
+        assert not readable()  # not written by the call, nor by the uncork
+        got = [await cb.receive()]  # the writer wrote it once this task let it run
+        assert ca.send_soon(Ping(payload=b"soon"))
+        assert not readable()
+        assert ca.send_nowait(Ping(payload=b"now"))  # written now, the queued one first
+        assert readable()
+        got += [(await cb.receive()) for _ in range(2)]
+        nursery.cancel_scope.cancel()
+    assert [m.payload for m in got] == [b"later", b"soon", b"now"]  # type: ignore[attr-defined]
+    await ca.aclose()
+    await cb.aclose()

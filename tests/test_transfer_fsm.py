@@ -16,6 +16,7 @@ from protocol.transfer_fsm import (
     FINAL,
     JOINT,
     LOCAL_EVENTS,
+    OBSERVED_EVENTS,
     REMOTE_EVENTS,
     TRANSITIONS,
     AbortWrites,
@@ -28,6 +29,7 @@ from protocol.transfer_fsm import (
     Disconnect,
     Event,
     FailReceived,
+    LandedSeen,
     LocalFailure,
     NotifSeen,
     OfferReceived,
@@ -54,7 +56,8 @@ from protocol.transfer_fsm import (
 )
 
 CTX, GEN = Role.CTX, Role.GEN
-ALL_EVENTS: list[type[Event]] = sorted(LOCAL_EVENTS | set(REMOTE_EVENTS), key=lambda t: t.__name__)
+ALL_EVENTS: list[type[Event]] = sorted(LOCAL_EVENTS | set(REMOTE_EVENTS) | set(OBSERVED_EVENTS),
+                                       key=lambda t: t.__name__)
 
 
 def make(role: Role) -> Callable[[type[Event]], Event]:
@@ -83,6 +86,8 @@ def _cases() -> list[tuple[Role, bool, State, type[Event]]]:
 
 def _legal(role: Role, hosted: bool, etype: type[Event]) -> type[Exception] | None:
     """Who broke the rules when ``etype`` about ``role`` arrives, before the table is asked."""
+    if etype in OBSERVED_EVENTS:  # seen here of the peer's side: only the other side is hosted
+        return None if not hosted and OBSERVED_EVENTS[etype] is role else LocalProtocolError
     if etype in LOCAL_EVENTS:
         if not hosted:
             return LocalProtocolError
@@ -105,12 +110,16 @@ def test_every_state_every_event(role: Role, hosted: bool, state: State, etype: 
         m.side(role).in_flight = 1
     if etype is DataDoneReceived or etype is PathReceived:
         m.talked = True
+    if etype is LandedSeen:
+        m.path = Path.MAPPED  # only the mapped path's kernel records a landed event
     pre = _legal(role, hosted, etype)
     table = TRANSITIONS[role][state].get(etype)
     if pre is None and table is None:
-        pre = LocalProtocolError if hosted else RemoteProtocolError
+        pre = LocalProtocolError if hosted or etype in OBSERVED_EVENTS else RemoteProtocolError
     if etype is WritePosted and role is CTX and state is State.ABORTING:
         pre = LocalProtocolError  # no new write once ctx began aborting
+    if etype is DataDoneReceived and role is CTX and state is State.DONE and pre is None:
+        pre = RemoteProtocolError  # a second XferDone (only a landed event's confirmation is kept)
     if pre is not None:
         with pytest.raises(pre):
             m.handle(make(role)(etype))
@@ -188,6 +197,62 @@ def test_mapped_path_completes_gen_on_the_done_message_alone() -> None:
     gen.handle(SideComplete(GEN, peer_named=True))
     gen.handle(PathReceived(CTX, Path.MAPPED))
     assert gen.handle(DataDoneReceived(CTX, writes=0, nbytes=10)) == [Report(GEN, True)]
+
+
+def _gen_mapped() -> TransferMachine:
+    gen = TransferMachine(here={GEN})
+    gen.handle(SideComplete(GEN, peer_named=True))
+    gen.handle(PathReceived(CTX, Path.MAPPED))
+    return gen
+
+
+def test_mapped_path_completes_gen_on_the_landed_event_then_takes_the_done_message() -> None:
+    """gen saw ctx's CUDA event complete: it reports at once; ctx's XferDone that follows is a
+    confirmation (nothing happens), a second one or one naming NIXL writes is a protocol error."""
+    gen = _gen_mapped()
+    assert gen.handle(LandedSeen(CTX, nbytes=10)) == [Report(GEN, True)]
+    assert gen.state(CTX) is State.DONE and gen.nbytes == 10
+    assert gen.handle(DataDoneReceived(CTX, writes=0, nbytes=10)) == []
+    assert gen.handle(LandedSeen(CTX, nbytes=10)) == []  # a second look: nothing new
+    with pytest.raises(RemoteProtocolError):
+        gen.handle(DataDoneReceived(CTX, writes=3, nbytes=10))
+    plain = _gen_mapped()
+    plain.handle(DataDoneReceived(CTX, writes=0, nbytes=10))
+    with pytest.raises(RemoteProtocolError):  # no landed event: a duplicate
+        plain.handle(DataDoneReceived(CTX, writes=0, nbytes=10))
+    # the done message first, then the event: the event changes nothing
+    first = _gen_mapped()
+    assert first.handle(DataDoneReceived(CTX, writes=0, nbytes=10)) == [Report(GEN, True)]
+    assert first.handle(LandedSeen(CTX, nbytes=10)) == []
+
+
+def test_a_landed_event_is_only_gens_view_of_a_mapped_ctx_side() -> None:
+    ctx = _ctx_sending()
+    with pytest.raises(LocalProtocolError):  # a ctx daemon knows its own kernel: DataOut
+        ctx.handle(LandedSeen(CTX))
+    with pytest.raises(LocalProtocolError):
+        _gen_mapped().handle(LandedSeen(GEN))
+    bounce = _gen_receiving()  # the direct path: NIXL writes, no kernel event
+    with pytest.raises(LocalProtocolError):
+        bounce.handle(LandedSeen(CTX))
+    early = TransferMachine(here={GEN})
+    early.handle(SideComplete(GEN, peer_named=True))
+    with pytest.raises(LocalProtocolError):  # ctx named no event before its path message
+        early.handle(LandedSeen(CTX))
+
+
+def test_gen_cancelled_while_the_kernel_runs_reports_once_the_event_says_it_landed() -> None:
+    """No write after failure: a cancelled gen side waits until ctx cannot write; the landed
+    event says so (every byte of the one kernel is in), without waiting for ctx's word."""
+    gen = _gen_mapped()
+    assert reports(gen.handle(Cancel(GEN))) == []  # ctx's kernel may still be writing
+    (report,) = reports(gen.handle(LandedSeen(CTX, nbytes=10)))
+    assert report.role is GEN and not report.ok
+    # ctx failed (its writes stopped) before the event was seen: gen failed; the event is late
+    failed = _gen_mapped()
+    (report,) = reports(failed.handle(FailReceived(CTX, "transfer_failed", "kernel", writes_stopped=True)))
+    assert not report.ok
+    assert failed.handle(LandedSeen(CTX, nbytes=10)) == []
 
 
 def test_bounce_gen_waits_for_its_own_scatters() -> None:

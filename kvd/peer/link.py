@@ -123,6 +123,7 @@ class PeerConnection:
         self._outbox_ready = trio.Event()
         self._writer_running = False
         self._corked = 0  # cork() depth: send_nowait only queues, uncork() writes the lot
+        self._soon_only = False  # every queued frame came from send_soon: left to the writer
         #: Why the writer stopped, if a write failed (the link is closed then).
         self.write_error = ""
         self._receiving = False
@@ -186,6 +187,7 @@ class PeerConnection:
             await trio.lowlevel.checkpoint_if_cancelled()
             data = b"".join(self._outbox)
             self._outbox.clear()
+            self._soon_only = False
             await self._write(data)
 
     async def _write(self, data: bytes) -> None:
@@ -212,13 +214,34 @@ class PeerConnection:
         data = encode_peer(msg, self._max_frame_size)
         if self._corked:  # written with what follows it in this step (uncork)
             self._outbox.append(data)
+            self._soon_only = False
             return True
-        if not self._outbox and not self._send_lock.locked():
-            # nothing queued and no write under way: straight into the socket (what it does
-            # not take now is queued, first in line, for the writer)
+        if (not self._outbox or self._soon_only) and not self._send_lock.locked():
+            # nothing queued (or only what send_soon left for later: it goes first, in order)
+            # and no write under way: straight into the socket (what it does not take now is
+            # queued, first in line, for the writer)
+            if self._outbox:
+                data = b"".join([*self._outbox, data])
+                self._outbox.clear()
+                self._soon_only = False
             data = data[self._write_now(data):]
             if not data:
                 return True
+        self._outbox.append(data)
+        self._outbox_ready.set()
+        return True
+
+    def send_soon(self, msg: msgspec.Struct) -> bool:
+        """Queue one message behind what is queued, for the writer task: written once this step
+        yields (or with the next message sent now), never by this call nor by :meth:`uncork`.
+        For a message nobody waits for at once (the data-done confirmation that follows a
+        landed event), so that its write, tens of microseconds on some hosts, stays off the
+        step's critical path. False as :meth:`send_nowait`."""
+        if not self.takes_nowait:
+            return False
+        data = encode_peer(msg, self._max_frame_size)
+        if not self._outbox:
+            self._soon_only = True
         self._outbox.append(data)
         self._outbox_ready.set()
         return True
@@ -235,6 +258,9 @@ class PeerConnection:
         take, and everything while another write is under way, is left to the writer)."""
         self._corked -= 1
         if self._corked or not self._outbox:
+            return
+        if self._soon_only:  # (send_soon's: the writer's, after this step)
+            self._outbox_ready.set()
             return
         if not self._send_lock.locked():
             data = b"".join(self._outbox)
@@ -273,6 +299,7 @@ class PeerConnection:
                     await trio.lowlevel.checkpoint_if_cancelled()
                     data = b"".join(self._outbox)
                     self._outbox.clear()
+                    self._soon_only = False
                     await self.stream.send_all(data)
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
             self.write_error = str(exc) or type(exc).__name__

@@ -109,6 +109,11 @@ class PeerLink:
         :meth:`send`); False when it cannot be queued now (use :meth:`send`)."""
         return self.conn.send_nowait(msg)
 
+    def send_soon(self, msg: x.XferMessage) -> bool:
+        """Queue a message the peer needs soon, not at once: the writer writes it after this
+        step (:meth:`PeerConnection.send_soon`); False as :meth:`send_nowait`."""
+        return self.conn.send_soon(msg)
+
     def cork(self) -> None:
         """Hold the messages :meth:`send_nowait` takes until :meth:`uncork` (same step), which
         writes them together (:meth:`PeerConnection.cork`)."""

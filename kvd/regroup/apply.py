@@ -82,6 +82,11 @@ class Completion:
         self.nbytes = nbytes
         self._events = events or []
 
+    @property
+    def events(self) -> list[Any]:
+        """The events recorded after the work (one per device; none for host work)."""
+        return self._events
+
     def done(self) -> bool:
         """Whether the work has finished; never blocks (an event query per device)."""
         return all(e.query() for e in self._events)

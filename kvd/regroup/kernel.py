@@ -543,7 +543,7 @@ class RegroupKernel:
                 buf[1 : 1 + table.size] = table
                 _check(cu.cuLaunchKernel(func, gx, gy, 1, THREADS, 1, 1, 0, hs, ptrs_addr, 0), "cuLaunchKernel")
         mark("kernel.launched")
-        return DriverEvent(self.ctx, hs, self._events)
+        return DriverEvent(self.ctx, hs, self._events, device=self.device)
 
     def _enqueue(self, cu: Any, table: npt.NDArray[np.int64], npairs: int, ntiles: int, hs: Any) -> DriverEvent:
         nbytes = table.nbytes
@@ -577,7 +577,7 @@ class RegroupKernel:
             mark("kernel.launched")
         finally:
             _check(cu.cuMemFreeAsync(dptr, hs), "cuMemFreeAsync")
-        return DriverEvent(self.ctx, hs, self._events)
+        return DriverEvent(self.ctx, hs, self._events, device=self.device)
 
 
 def _param_buffer(words: int) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.uint64], int]:
@@ -605,8 +605,10 @@ class DriverEvent:
     """A CUDA event recorded on a stream; :meth:`query` never blocks (``cuEventQuery``).
     ``pool``: completed events of the recording context, taken from and given back to it."""
 
-    def __init__(self, ctx: Any, stream: Any, pool: list[Any] | None = None) -> None:
+    def __init__(self, ctx: Any, stream: Any, pool: list[Any] | None = None, *, device: int = -1) -> None:
         cu = _driver()
+        #: the CUDA device of ``ctx`` (-1: not said)
+        self.device = device
         self._pool = pool
         ev = None
         if pool:
@@ -616,6 +618,8 @@ class DriverEvent:
             ev = _check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
         self._ev: Any = ev
         self._ctx = ctx
+        #: the stream it was recorded on (what a landed event after the same work records on)
+        self.stream = stream
         try:
             _check(cu.cuEventRecord(self._ev, stream), "cuEventRecord")
         except BaseException:

@@ -26,6 +26,7 @@ from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
+import structlog
 import torch
 import trio
 
@@ -33,9 +34,13 @@ from kvd.ops.steptrace import mark
 from kvd.regroup import apply as regroup_apply
 from kvd.regroup import boxbounce
 from kvd.regroup import kernel as kernel_mod
+from kvd.regroup import landed as landed_mod
 from kvd.regroup.boxcopy import copy_boxes, supports_box_copy
+from kvd.regroup.landed import LandedMark
 from kvd.regroup.plan import Plan
 from kvd.regroup.stager import schedule
+
+log = structlog.get_logger("kvd.transfer")
 
 #: Up to this many bytes a host regroup runs on the event loop: a worker-thread hop costs more.
 INLINE_BYTES = 4 << 20
@@ -74,13 +79,23 @@ KERNEL_LINK_BPS = 400e9
 
 async def kernels_loaded(devices: set[int]) -> bool:
     """Whether the regroup kernel runs on every one of ``devices``: answered on the event loop
-    once known; the first call per device compiles or loads it in a worker thread."""
+    once known; the first call per device compiles or loads it (and makes the device's landed
+    events) in a worker thread."""
     for dev in sorted(devices):
         ready = kernel_mod.kernel_ready(dev)
-        if ready is None:
-            ready = await trio.to_thread.run_sync(kernel_mod.kernel_available, dev)
+        if ready is None or (ready and not landed_mod.prepared(dev)):
+            ready = await trio.to_thread.run_sync(_load_kernel, dev)
         if not ready:
             return False
+    return True
+
+
+def _load_kernel(device: int) -> bool:
+    """(A worker thread's) compile or load the kernel on ``device``, and make its landed
+    events there (:func:`kvd.regroup.landed.prepare`): whether the kernel runs there."""
+    if not kernel_mod.kernel_available(device):
+        return False
+    landed_mod.prepare(device)
     return True
 
 
@@ -92,6 +107,8 @@ class KernelLaunch:
     launch_on: Literal["src", "dst"]
     enqueued_at: float
     enqueue_s: float
+    #: the landed event recorded after every launch (:mod:`kvd.regroup.landed`), or None
+    landed: LandedMark | None = None
 
     @property
     def nbytes(self) -> int:
@@ -99,10 +116,12 @@ class KernelLaunch:
 
 
 def launch_kernel(p: Plan, src: dict[int, torch.Tensor], dst: dict[int, torch.Tensor], *,
-                  launch_on: Literal["src", "dst"]) -> KernelLaunch:
+                  launch_on: Literal["src", "dst"], landed: bool = False) -> KernelLaunch:
     """Enqueue the regroup kernel launches of ``p`` (one per source rank) from flat-byte CUDA
     ``src`` pools into flat-byte ``dst`` pools, without waiting: what a caller that must not
-    await (the executor's publish step) does; :func:`kernel_done` waits for them."""
+    await (the executor's publish step) does; :func:`kernel_done` waits for them. ``landed``:
+    also record a landed event after them when every launch went to one stream of one device
+    (:func:`landed_after`)."""
     t0 = time.perf_counter()
     launched: list[Any] = []
     try:
@@ -115,7 +134,27 @@ def launch_kernel(p: Plan, src: dict[int, torch.Tensor], dst: dict[int, torch.Te
         raise
     t1 = time.perf_counter()
     mark("launched")
-    return KernelLaunch(launched, launch_on, t1, t1 - t0)
+    mark_ = landed_after(launched) if landed else None
+    return KernelLaunch(launched, launch_on, t1, t1 - t0, mark_)
+
+
+def landed_after(completions: list[Any]) -> LandedMark | None:
+    """A landed event recorded after ``completions`` (regroup calls), when all of their
+    kernels were enqueued on one stream of one device with a landed ring (so the event
+    completes only once all of them have); else None (gen then waits for the data-done
+    message)."""
+    events = [e for c in completions for e in c.events]
+    if not events or not all(isinstance(e, kernel_mod.DriverEvent) for e in events):
+        return None  # (torch's path records torch events: no landed event after those)
+    streams = {int(e.stream) for e in events}
+    devices = {e.device for e in events}
+    if len(streams) != 1 or len(devices) != 1:
+        return None
+    try:
+        return landed_mod.record(devices.pop(), streams.pop())
+    except kernel_mod.KernelError as exc:  # speed only: the data-done message still completes gen
+        log.warning("regroup.landed_event_not_recorded", error=str(exc))
+        return None
 
 
 async def kernel_done(k: KernelLaunch, timings: dict[str, float] | None = None) -> int:

@@ -36,8 +36,11 @@ import trio
 
 from kvd.ops.logctx import bind_request_id, unbind_request_id
 from kvd.ops.steptrace import mark
+from kvd.regroup import landed
+from kvd.regroup.landed import LandedMark
 from kvd.regroup.plan import CheckedBlocks, Plan, check_blocks, plan
 from kvd.transfer.lazychannel import LazyChannel
+from kvd.transfer.movers import KERNEL_LINK_BPS
 from kvd.transfer.paths import bounce, direct, fragment, local, mapped
 from kvd.transfer.paths.base import Job, Sent
 from kvd.transfer.requests import Side
@@ -153,6 +156,7 @@ class _Remote:
     chunking: str = ""  # gen's bounce chunk layout (x.CHUNKING_RANGES; "" = an older daemon)
     chunk_bytes: int = 0  # ctx's bounce chunk size (0 = an older daemon)
     credits: str = ""  # how ctx takes bounce credits (x.CREDITS_NOTIF; "" = XferGrant messages)
+    landed: x.LandedEvent | None = None  # ctx's landed event (mapped path), from its path message
     # ``blocks`` validated against ``layout`` when the destination arrived (before the request
     # completed here): the planner then skips that work. None: not checked (the planner does).
     checked: CheckedBlocks | None = None
@@ -237,6 +241,7 @@ class Transfer:
         self._plan: Plan | None = None
         self.sent: Sent | None = None  # what our sending path did (ctx)
         self.done_msg: x.XferDone | None = None  # what the peer's did (gen)
+        self.landed_msg: x.LandedEvent | None = None  # ctx's landed event, seen complete (gen)
         self.round_trips = 0  # peer round trips ctx waited for before data moved
         self.pregranted = 0  # receive slots granted with the announce (gen)
         self.bounce_chunk = 0  # the bounce chunk size ctx chose, named in its path message
@@ -251,6 +256,7 @@ class Transfer:
         self._backlog: list[x.XferMessage] | None = None  # messages waiting for the link, in order
         self.uses_nixl = False  # its path moves bytes over NIXL (told to the engine once)
         self._corked: PeerLink | None = None  # the link held while the data path starts inline
+        self._landed: LandedMark | None = None  # ctx: the landed event its path message names
         # The actor's task starts only when something must wait (see the module docstring).
         self._actor = False  # the actor's task was started (it ends only with the transfer)
         self._expired = False  # the deadline did its work: a side still aborting waits for quiet
@@ -403,6 +409,9 @@ class Transfer:
         if not self.peer_instance:
             self.peer_instance = link.agent
         # _message may take receive slots (an announce's grants): only once it will go
+        if self._landed is not None and isinstance(a, f.SendDataDone):
+            # gen has the landed event: this is its confirmation, written after this step
+            return link.send_soon(self._message(a)) or self._unsent(a)
         return link.send_nowait(self._message(a)) or self._unsent(a)
 
     def _unsent(self, a: f.Action) -> bool:
@@ -602,6 +611,7 @@ class Transfer:
             if msg.layout is not None:
                 r.set_side(msg.layout, dict(msg.blocks))
             r.chunk_bytes, r.credits = msg.chunk_bytes, msg.credits
+            r.landed = msg.landed if path is f.Path.MAPPED else None
             self.feed(f.PathReceived(f.Role.CTX, path))
         elif isinstance(msg, x.XferGrant):
             self._on_credit([msg.slot], "credits_link")
@@ -735,7 +745,8 @@ class Transfer:
             bounced = a.path is f.Path.BOUNCE
             return x.XferPath(request_id=rid, path=a.path.value, layout=side.layout, blocks=side.blocks_by_rank(),
                               chunk_bytes=self.bounce_chunk if bounced else 0,
-                              credits=x.CREDITS_NOTIF if bounced and self.env.cfg.credit_notifs else "")
+                              credits=x.CREDITS_NOTIF if bounced and self.env.cfg.credit_notifs else "",
+                              landed=self._landed_event() if a.path is f.Path.MAPPED else None)
         if isinstance(a, f.SendDataDone):
             chunks = self.sent.chunks if self.sent is not None else a.writes
             return x.XferDone(request_id=rid, writes=a.writes, bytes=a.nbytes, chunks=chunks)
@@ -747,6 +758,14 @@ class Transfer:
             return x.XferFail(request_id=rid, code=a.code, message=a.message,
                               writes_stopped=a.writes_stopped, sender=sender, deadline_s=left)
         raise InternalError(f"unexpected action {a!r}")
+
+    def _landed_event(self) -> x.LandedEvent | None:
+        """The path message's landed event (ctx), when the kernel recorded one."""
+        mark_ = self._landed
+        if mark_ is None or self._plan is None:
+            return None
+        return x.LandedEvent(device=mark_.device, slot=mark_.slot, handle=mark_.handle,
+                             nbytes=self._plan.total_bytes(), chunks=len(self._plan.src_ranks()))
 
     def _pregrant(self) -> list[int]:
         """Receive slots granted with the announce, so a bounce transfer needs no round trip
@@ -836,9 +855,11 @@ class Transfer:
         path = self.machine.path.value if self.machine.path is not None else ""
         duration = time.monotonic() - (side.started or side.created)
         if a.ok:
-            sent, done = self.sent, self.done_msg
-            nbytes = sent.nbytes if sent is not None else done.bytes if done is not None else side.bytes_total
-            chunks = sent.chunks if sent is not None else done.chunks if done is not None else side.chunks_done
+            sent, done, seen = self.sent, self.done_msg, self.landed_msg
+            nbytes = (sent.nbytes if sent is not None else done.bytes if done is not None
+                      else seen.nbytes if seen is not None else side.bytes_total)
+            chunks = (sent.chunks if sent is not None else done.chunks if done is not None
+                      else seen.chunks if seen is not None else side.chunks_done)
             fallback = sent.fallback if sent is not None else "fragment" if path == "fragment" else ""
             completion = m.Completion(request_id=self.request_id, ok=True, bytes=nbytes, duration_s=duration,
                                       path=path, chunks=chunks, fallback=fallback, peer=self.peer)
@@ -966,6 +987,13 @@ class Transfer:
                 self._uncork()
         self._start(self._send_task)
 
+    def _flush_corked(self) -> None:
+        """Write what the corked link holds now; the link stays corked for what follows."""
+        link = self._corked
+        if link is not None:
+            link.uncork()
+            link.cork()
+
     def _uncork(self) -> None:
         """Write the messages held since :meth:`_start_send_now` corked the link."""
         link, self._corked = self._corked, None
@@ -1050,7 +1078,13 @@ class Transfer:
             job.dst, job.mapped = {}, {}
             return self._send_rest_as_task(job, link, p)
         job.stages["gpu_launch_inline"] = 1  # (the transfer.done line says how it started)
+        self._landed = run.launched.landed
         self.feed(f.PathChosen(f.Role.CTX, f.Path.MAPPED))
+        if self._landed is not None:
+            # the path message names the landed event: it leaves now, and gen watches the
+            # event while the kernel runs instead of waiting for the data-done message
+            job.stages["landed_event"] = 1
+            self._flush_corked()
         sent = run.finish_now()
         if sent is not None:
             job.stages["gpu_done_inline"] = 1
@@ -1150,6 +1184,8 @@ class Transfer:
             side.state = "receiving"
             side.started = side.started or time.monotonic()
         scope = self._scopes.get(f.Role.GEN)
+        if path is f.Path.MAPPED and self.remote.landed is not None:
+            self._watch_landed(self.remote.landed)
         if path is not f.Path.BOUNCE:
             if scope is not None:  # ctx switched to per-fragment writes: no slot will be used
                 scope.cancel()
@@ -1160,6 +1196,56 @@ class Transfer:
             return
         if scope is None:
             self._start(self._receive_task)
+
+    def _watch_landed(self, ev: x.LandedEvent) -> None:
+        """gen, mapped path: watch ctx's landed event (:mod:`kvd.regroup.landed`): asked once
+        here (a small request's kernel is usually done by now), else by a task until it
+        completes or the ctx side ends otherwise. A handle not opened yet is opened in a worker
+        thread for the next requests; this one completes on ctx's data-done message."""
+        side = self.sides.get(f.Role.GEN)
+        devices = [part.pool.device for part in side.parts.values()] if side is not None else []
+        if not devices or min(devices) < 0:
+            return  # (host pools: ctx cannot have recorded a CUDA event for them)
+        known, event = landed.opened(ev.handle)
+        if not known:
+            self._start(partial(self._open_landed, ev.handle, devices[0]))
+            return
+        if event is None:
+            return  # the driver refused this handle before: the data-done message completes it
+        done = landed.query(event)
+        if done:
+            self._landed_seen(ev)
+        elif done is not None:
+            self._start(partial(self._landed_task, event, ev))
+
+    async def _open_landed(self, handle: bytes, device: int) -> None:
+        await trio.to_thread.run_sync(landed.open_event, handle, device)
+
+    async def _landed_task(self, event: Any, ev: x.LandedEvent) -> None:
+        # a large request's kernel takes a while: sleep through part of it, then poll at every
+        # checkpoint (as the ctx side waits for its own kernel: kvd.transfer.movers.until_done)
+        expected = ev.nbytes / KERNEL_LINK_BPS
+        if expected > 4e-3:
+            await trio.sleep(expected / 2 - 1e-3)
+        while self.machine.state(f.Role.CTX) is f.State.SENDING:
+            done = landed.query(event)
+            if done is None:
+                return  # the query failed (logged): the data-done message decides
+            if done:
+                self._landed_seen(ev)
+                return
+            await trio.sleep(0)
+
+    def _landed_seen(self, ev: x.LandedEvent) -> None:
+        if self.machine.state(f.Role.CTX) is not f.State.SENDING:
+            return  # ctx's word came first
+        gen = self.sides.get(f.Role.GEN)
+        if gen is not None:
+            gen.stages["landed_event"] = 1
+            if gen.started:
+                gen.mark("landed")
+        self.landed_msg = ev
+        self.feed(f.LandedSeen(f.Role.CTX, ev.nbytes))
 
     async def _receive_task(self) -> None:
         async def body() -> None:

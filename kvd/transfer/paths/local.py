@@ -108,16 +108,17 @@ class KernelRun:
 
 
 def start_kernel(job: Job, src: dict[int, torch.Tensor], dst: dict[int, torch.Tensor],
-                 where: Literal["src", "dst"]) -> KernelRun:
+                 where: Literal["src", "dst"], *, landed: bool = False) -> KernelRun:
     """Launch the request's regroup kernel now (flat-byte ``src`` pools into flat-byte ``dst``
     pools, launched on the ``where`` side), counted as a posted write before it is enqueued, so
     a failure or cancel meanwhile waits for it before anyone hears the request ended. Returns
     the launched run: the local and mapped paths await :meth:`KernelRun.finish` at once; the
     mapped path's publish-step launch first tries :meth:`KernelRun.finish_now`, then hands
-    ``finish`` to a task."""
+    ``finish`` to a task. ``landed``: record a landed event after it, when it can (the mapped
+    path's, for the peer: :mod:`kvd.regroup.landed`)."""
     job.progress.posted()
     try:
-        launched = launch_kernel(job.plan, src, dst, launch_on=where)
+        launched = launch_kernel(job.plan, src, dst, launch_on=where, landed=landed)
     except BaseException:
         job.progress.ended()  # nothing of it is running (launch_kernel waited for what it enqueued)
         raise

@@ -15,6 +15,7 @@ from typing import Any, Literal
 import numpy as np
 import numpy.typing as npt
 
+from kvd.regroup import landed
 from kvd.regroup.kernel import kernel_ready
 from kvd.regroup.plan import Plan
 from kvd.transfer.movers import copy_runs, kernels_loaded
@@ -89,15 +90,16 @@ def launch_now(job: Job) -> local.KernelRun | None:
     if placed is None or copy_engine_runs(job.plan) is not None:
         return None
     where, need = placed
-    if not all(kernel_ready(dev) for dev in need):
+    if not all(kernel_ready(dev) and landed.prepared(dev) for dev in need):
         return None  # not loaded yet (or unavailable): send() loads it in a worker thread
-    return _start_kernel(job, where)
+    return _start_kernel(job, where, landed=where == "src")
 
 
-def _start_kernel(job: Job, where: Literal["src", "dst"]) -> local.KernelRun:
-    """The kernel from the source pools into the mapped pools (:func:`local.start_kernel`)."""
+def _start_kernel(job: Job, where: Literal["src", "dst"], *, landed: bool = False) -> local.KernelRun:
+    """The kernel from the source pools into the mapped pools (:func:`local.start_kernel`);
+    ``landed``: with a landed event after it (the run's ``launched.landed``) when it can."""
     return local.start_kernel(job, {r: pool.tensor_u8() for r, pool in job.src.items()},
-                              {r: mp.raw for r, mp in job.mapped.items()}, where)
+                              {r: mp.raw for r, mp in job.mapped.items()}, where, landed=landed)
 
 
 def send_now(job: Job) -> Sent | None:
