@@ -21,12 +21,14 @@ def test_a_handle_that_cannot_be_opened_is_remembered_as_refused(capfd: pytest.C
     if torch.cuda.is_available():
         pytest.skip("a driver is present: the refusal of a bogus handle is the GPU tests' case")
     handle = bytes(range(64))
-    assert landed.opened(handle) == (False, None)
-    assert landed.open_event(handle, 0) is None
-    assert landed.opened(handle) == (True, None)
-    assert landed.open_event(handle, 0) is None  # asked again: from memory, no second line
+    assert landed.opened("ctx-a", handle) == (False, None)
+    assert landed.open_event("ctx-a", handle, 0) is None
+    assert landed.opened("ctx-a", handle) == (True, None)
+    assert landed.open_event("ctx-a", handle, 0) is None  # asked again: from memory, no second line
     err = capfd.readouterr()
     assert (err.out + err.err).count("transfer.landed_event_refused") == 1
+    # the same bytes from another instance of the peer (a restarted daemon) are another event
+    assert landed.opened("ctx-b", handle) == (False, None)
 
 
 def test_a_device_without_landed_events_records_none(capfd: pytest.CaptureFixture[str]) -> None:

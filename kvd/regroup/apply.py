@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import weakref
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
 from kvd.ops.steptrace import mark
@@ -263,6 +263,7 @@ def regroup(
     engine: Engine = "auto",
     tile_bytes: int = kernel.TILE_BYTES,
     launch_on: LaunchOn = "src",
+    event_for: EventFor | None = None,
 ) -> Completion:
     """Move every pair ``(src_rank, d)`` of ``plan`` from ``src_pool`` into ``dst_pools[d]``
     (pools as flat bytes, laid out as the plan's layouts say). Ranks of ``dst_pools`` that the
@@ -274,9 +275,13 @@ def regroup(
     destinations this process mapped by CUDA IPC on their own GPU: such a mapping belongs to
     that GPU's context, and another GPU's kernel cannot address it (measured:
     ``CUDA_ERROR_ILLEGAL_ADDRESS``), while the source pool, plain device memory, is reachable
-    from any peer GPU."""
+    from any peer GPU.
+
+    ``event_for(device, stream)``: the event to record after a single launch from a cached
+    template (a landed event, :mod:`kvd.regroup.landed`), or None for the kernel's own; not
+    asked on any other path."""
     if engine in ("auto", "kernel"):
-        done = _templated(plan, src_rank, src_pool, dst_pools, stream, tile_bytes, launch_on)
+        done = _templated(plan, src_rank, src_pool, dst_pools, stream, tile_bytes, launch_on, event_for)
         if done is not None:
             return done
     dsts = [d for s, d in plan.pairs() if s == src_rank]
@@ -306,6 +311,10 @@ def regroup(
 #: source rank and set of pools that regroup() launched the kernel for.
 TEMPLATE_CACHE = 512
 _templates: OrderedDict[tuple[Any, ...], list[tuple[int, kernel.LaunchTemplate, list[tuple[int, int]]]]] = OrderedDict()
+
+
+#: ``event_for(device, stream)`` of :func:`regroup`: an event to record after the launch, or None.
+EventFor = Callable[[int, int], Any]
 
 
 def _nbytes(t: Any) -> int:
@@ -347,7 +356,7 @@ def _pool_desc(t: Any) -> tuple[int, int, int] | None:
 
 def _templated(
     plan: Plan, src_rank: int, src_pool: Any, dst_pools: Mapping[int, Any], stream: Any, tile_bytes: int,
-    launch_on: LaunchOn,
+    launch_on: LaunchOn, event_for: EventFor | None = None,
 ) -> Completion | None:
     """:func:`regroup` on the kernel from a cached launch template: the request's block tables
     are all that is computed. None when the kernel cannot do it here (the caller's general
@@ -386,7 +395,8 @@ def _templated(
     for (dev, tpl, _), k, table in zip(parts, kernels, tables, strict=True):
         assert k is not None
         st = _raw_stream(stream if stream is not None and stream.device.index == dev else None, dev)
-        events.append(k.run(table, tpl.npairs, tpl.tiles, st))
+        ev = event_for(dev, st) if event_for is not None and len(parts) == 1 else None
+        events.append(k.run(table, tpl.npairs, tpl.tiles, st, event=ev))
         nbytes += tpl.nbytes
     mark("regroup.run")
     return Completion("kernel", nbytes, events)

@@ -489,7 +489,7 @@ class RegroupKernel:
         return "device"
 
     def run(self, table: npt.NDArray[np.int64], npairs: int, ntiles: int, stream: int, *,
-            small: bool | None = None) -> DriverEvent:
+            small: bool | None = None, event: Any = None) -> DriverEvent:
         """Enqueue one launch on the CUDA stream handle ``stream`` (an int, as torch's
         ``Stream.cuda_stream``) over ``ntiles`` tiles; returns an event recorded after it.
 
@@ -499,7 +499,9 @@ class RegroupKernel:
         Otherwise the table goes to stream-ordered device memory (``cuMemAllocFromPoolAsync``
         from a pool of our own, one host-to-device copy from a page-locked slot, freed after
         the kernel on the same stream). ``small`` forces the parameter (True) or device memory
-        (False) (tests); a table too large for the parameter is a :class:`KernelError` then."""
+        (False) (tests); a table too large for the parameter is a :class:`KernelError` then.
+        ``event``: a CUDA event of the caller's to record after the launch instead of one of
+        the kernel's (a landed event: the caller keeps it, the returned one never frees it)."""
         if table.dtype != np.int64 or not table.flags.c_contiguous:
             raise KernelError("a launch table is a contiguous int64 array")
         if small is None:
@@ -518,11 +520,11 @@ class RegroupKernel:
         try:
             if how == "small":
                 return self._enqueue_param(cu, table, npairs, ntiles, hs, self._func_small, self._small,
-                                           self._small_ptrs_addr)
+                                           self._small_ptrs_addr, event)
             if how == "large":
                 try:
                     return self._enqueue_param(cu, table, npairs, ntiles, hs, self._func_large, self._large,
-                                               self._large_ptrs_addr)
+                                               self._large_ptrs_addr, event)
                 except KernelError as exc:
                     if small:
                         raise
@@ -530,12 +532,12 @@ class RegroupKernel:
                     # was enqueued; say so once and send such tables through device memory
                     self._func_large = None
                     log.warning("regroup.large_parameter_refused", device=self.device, error=str(exc))
-            return self._enqueue(cu, table, npairs, ntiles, hs)
+            return self._enqueue(cu, table, npairs, ntiles, hs, event)
         finally:
             cu.cuCtxPopCurrent()
 
     def _enqueue_param(self, cu: Any, table: npt.NDArray[np.int64], npairs: int, ntiles: int, hs: Any,
-                       func: Any, buf: npt.NDArray[np.int64], ptrs_addr: int) -> DriverEvent:
+                       func: Any, buf: npt.NDArray[np.int64], ptrs_addr: int, event: Any = None) -> DriverEvent:
         if ntiles > 0:
             gx, gy = _grid(ntiles)
             with self._args_lock:  # cuLaunchKernel copies the parameter before it returns
@@ -543,14 +545,15 @@ class RegroupKernel:
                 buf[1 : 1 + table.size] = table
                 _check(cu.cuLaunchKernel(func, gx, gy, 1, THREADS, 1, 1, 0, hs, ptrs_addr, 0), "cuLaunchKernel")
         mark("kernel.launched")
-        return DriverEvent(self.ctx, hs, self._events, device=self.device)
+        return DriverEvent(self.ctx, hs, self._events, device=self.device, event=event)
 
-    def _enqueue(self, cu: Any, table: npt.NDArray[np.int64], npairs: int, ntiles: int, hs: Any) -> DriverEvent:
+    def _enqueue(self, cu: Any, table: npt.NDArray[np.int64], npairs: int, ntiles: int, hs: Any,
+                 event: Any = None) -> DriverEvent:
         nbytes = table.nbytes
         slot = self._pinned.take(table) if self._pinned is not None else None
         host = slot[1] if slot is not None else table.__array_interface__["data"][0]
         try:
-            ev = self._enqueue_from(cu, host, nbytes, npairs, ntiles, hs)
+            ev = self._enqueue_from(cu, host, nbytes, npairs, ntiles, hs, event)
         except BaseException:
             if slot is not None:
                 assert self._pinned is not None
@@ -561,7 +564,8 @@ class RegroupKernel:
             self._pinned.hold(slot[0], ev)
         return ev
 
-    def _enqueue_from(self, cu: Any, host: int, nbytes: int, npairs: int, ntiles: int, hs: Any) -> DriverEvent:
+    def _enqueue_from(self, cu: Any, host: int, nbytes: int, npairs: int, ntiles: int, hs: Any,
+                      event: Any = None) -> DriverEvent:
         dptr = _check(cu.cuMemAllocFromPoolAsync(nbytes, self._pool, hs), "cuMemAllocFromPoolAsync")
         try:
             _check(cu.cuMemcpyHtoDAsync(dptr, host, nbytes, hs), "cuMemcpyHtoDAsync")
@@ -577,7 +581,7 @@ class RegroupKernel:
             mark("kernel.launched")
         finally:
             _check(cu.cuMemFreeAsync(dptr, hs), "cuMemFreeAsync")
-        return DriverEvent(self.ctx, hs, self._events, device=self.device)
+        return DriverEvent(self.ctx, hs, self._events, device=self.device, event=event)
 
 
 def _param_buffer(words: int) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.uint64], int]:
@@ -603,15 +607,18 @@ EVENT_POOL = 64
 
 class DriverEvent:
     """A CUDA event recorded on a stream; :meth:`query` never blocks (``cuEventQuery``).
-    ``pool``: completed events of the recording context, taken from and given back to it."""
+    ``pool``: completed events of the recording context, taken from and given back to it.
+    ``event``: record this event of the caller's instead (never pooled nor destroyed here)."""
 
-    def __init__(self, ctx: Any, stream: Any, pool: list[Any] | None = None, *, device: int = -1) -> None:
+    def __init__(self, ctx: Any, stream: Any, pool: list[Any] | None = None, *, device: int = -1,
+                 event: Any = None) -> None:
         cu = _driver()
         #: the CUDA device of ``ctx`` (-1: not said)
         self.device = device
-        self._pool = pool
-        ev = None
-        if pool:
+        self._borrowed = event is not None
+        self._pool = None if self._borrowed else pool
+        ev = event
+        if ev is None and pool:
             with contextlib.suppress(IndexError):  # another thread took the last one
                 ev = pool.pop()
         if ev is None:
@@ -655,8 +662,8 @@ class DriverEvent:
     def _destroy(self) -> None:
         """Called once the event completed (or failed): back to the pool, else destroyed."""
         ev, self._ev = self._ev, None
-        if ev is None:
-            return
+        if ev is None or self._borrowed:
+            return  # (a borrowed event is its owner's to keep)
         pool, self._pool = self._pool, None
         if pool is not None and len(pool) < EVENT_POOL:
             pool.append(ev)

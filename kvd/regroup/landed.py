@@ -82,6 +82,19 @@ class LandedRing:
         finally:
             cu.cuCtxPopCurrent()
 
+    def take(self, stream: int) -> tuple[Any, LandedMark] | None:
+        """The next slot's event and mark, for the caller to record on ``stream`` itself (the
+        kernel records it as its own completion event: one record, not two); None as
+        :meth:`record`."""
+        with self._lock:
+            if self.stream is None:
+                self.stream = stream
+            elif stream != self.stream:
+                return None
+            slot = self._next
+            self._next = (slot + 1) % len(self._events)
+        return self._events[slot], LandedMark(self.device, slot, self._handles[slot])
+
     def record(self, stream: int) -> LandedMark | None:
         """Record the next slot's event on CUDA stream ``stream`` (a handle, as an int); None
         when the ring records on another stream (the reuse rule holds on one stream only)."""
@@ -140,6 +153,12 @@ def prepared(device: int) -> bool:
     return device in _rings
 
 
+def take(device: int, stream: int) -> tuple[Any, LandedMark] | None:
+    """:meth:`LandedRing.take` on ``device``'s ring; None as :func:`record`."""
+    ring = _rings.get(device)
+    return ring.take(stream) if ring is not None else None
+
+
 def record(device: int, stream: int) -> LandedMark | None:
     """Record a landed event on ``stream`` of ``device`` after what was enqueued there; None
     when the device has no ring (not prepared, off or unavailable) or it records elsewhere."""
@@ -149,28 +168,35 @@ def record(device: int, stream: int) -> LandedMark | None:
 
 # -- gen side -------------------------------------------------------------------------------------
 
-_opened: OrderedDict[bytes, Any] = OrderedDict()  # handle -> the event opened here, or None: refused
+#: (peer instance, handle) -> the event opened here, or None: refused. Keyed by the peer's
+#: instance too: a handle names a process's event by numbers a later process (a restarted
+#: ctx daemon with the same pid) may repeat; an event of the old one, never recorded again,
+#: would read "complete" at once.
+_opened: OrderedDict[tuple[str, bytes], Any] = OrderedDict()
 _opened_lock = threading.Lock()
 
 
-def opened(handle: bytes) -> tuple[bool, Any]:
-    """(known, event): whether :func:`open_event` ran for ``handle`` already, and the event it
-    opened (None when the driver refused it: never asked again)."""
-    ev = _opened.get(handle, False)
+def opened(instance: str, handle: bytes) -> tuple[bool, Any]:
+    """(known, event): whether :func:`open_event` ran for ``handle`` of the peer instance
+    ``instance`` already, and the event it opened (None when the driver refused it: never
+    asked again)."""
+    key = (instance, handle)
+    ev = _opened.get(key, False)
     if ev is False:
         return False, None
     with _opened_lock:  # (least recently used first out: one in use is never the oldest of 256)
-        if handle in _opened:
-            _opened.move_to_end(handle)
+        if key in _opened:
+            _opened.move_to_end(key)
     return True, ev
 
 
-def open_event(handle: bytes, device: int) -> Any:
-    """Open the peer's event ``handle`` in the primary context of CUDA ``device`` (this
-    daemon's GPU), remembered for :func:`opened`; blocks ~0.2 ms (a worker thread's). Returns
-    the event, or None when the driver refuses the handle (logged once per handle)."""
+def open_event(instance: str, handle: bytes, device: int) -> Any:
+    """Open the event ``handle`` of the peer instance ``instance`` (its NIXL agent name, new
+    for every process) in the primary context of CUDA ``device`` (this daemon's GPU),
+    remembered for :func:`opened`; blocks ~0.2 ms (a worker thread's). Returns the event, or
+    None when the driver refuses the handle (logged once per handle)."""
     cu = _driver()
-    known, ev = opened(handle)
+    known, ev = opened(instance, handle)
     if known:
         return ev
     try:
@@ -187,7 +213,7 @@ def open_event(handle: bytes, device: int) -> Any:
                     fallback="gen waits for the data-done message")
         ev = None
     with _opened_lock:
-        _opened[handle] = ev
+        _opened[(instance, handle)] = ev
         while len(_opened) > OPEN_KEEP:
             _, old = _opened.popitem(last=False)
             if old is not None:

@@ -124,9 +124,21 @@ def launch_kernel(p: Plan, src: dict[int, torch.Tensor], dst: dict[int, torch.Te
     (:func:`landed_after`)."""
     t0 = time.perf_counter()
     launched: list[Any] = []
+    marks: list[LandedMark] = []
+
+    def event_for(device: int, stream: int) -> Any:
+        """The one launch's completion event is the landed event (one record, not two)."""
+        got = landed_mod.take(device, stream)
+        if got is None:
+            return None
+        marks.append(got[1])
+        return got[0]
+
+    one = landed and launch_on == "src" and len(p.src_ranks()) == 1
     try:
         for s in p.src_ranks():
-            launched.append(regroup_apply.regroup(p, s, src[s], dst, engine="kernel", launch_on=launch_on))
+            launched.append(regroup_apply.regroup(p, s, src[s], dst, engine="kernel", launch_on=launch_on,
+                                                  event_for=event_for if one else None))
     except BaseException:
         for c in launched:  # a later rank's launch failed: what is enqueued lands before this raises
             with contextlib.suppress(Exception):
@@ -134,7 +146,10 @@ def launch_kernel(p: Plan, src: dict[int, torch.Tensor], dst: dict[int, torch.Te
         raise
     t1 = time.perf_counter()
     mark("launched")
-    mark_ = landed_after(launched) if landed else None
+    if marks:
+        mark_: LandedMark | None = marks[0]
+    else:  # (not from a template: a separate record, when the launches allow one)
+        mark_ = landed_after(launched) if landed else None
     return KernelLaunch(launched, launch_on, t1, t1 - t0, mark_)
 
 

@@ -1204,11 +1204,13 @@ class Transfer:
         thread for the next requests; this one completes on ctx's data-done message."""
         side = self.sides.get(f.Role.GEN)
         devices = [part.pool.device for part in side.parts.values()] if side is not None else []
-        if not devices or min(devices) < 0:
+        link = self._link()
+        if not devices or min(devices) < 0 or link is None:
             return  # (host pools: ctx cannot have recorded a CUDA event for them)
-        known, event = landed.opened(ev.handle)
+        # the handle is the peer process's: keyed by its instance (see kvd.regroup.landed)
+        known, event = landed.opened(link.instance, ev.handle)
         if not known:
-            self._start(partial(self._open_landed, ev.handle, devices[0]))
+            self._start(partial(self._open_landed, link.instance, ev.handle, devices[0]))
             return
         if event is None:
             return  # the driver refused this handle before: the data-done message completes it
@@ -1218,8 +1220,8 @@ class Transfer:
         elif done is not None:
             self._start(partial(self._landed_task, event, ev))
 
-    async def _open_landed(self, handle: bytes, device: int) -> None:
-        await trio.to_thread.run_sync(landed.open_event, handle, device)
+    async def _open_landed(self, instance: str, handle: bytes, device: int) -> None:
+        await trio.to_thread.run_sync(landed.open_event, instance, handle, device)
 
     async def _landed_task(self, event: Any, ev: x.LandedEvent) -> None:
         # a large request's kernel takes a while: sleep through part of it, then poll at every

@@ -95,7 +95,7 @@ def _reader(conn: Connection, handle: bytes, device: int) -> None:
     at the first look, and poll it until it is."""
     from kvd.regroup import landed
 
-    ev = landed.open_event(handle, device)
+    ev = landed.open_event("writer", handle, device)
     conn.send(ev is not None)
     while conn.recv() == "look":
         first = landed.query(ev)
