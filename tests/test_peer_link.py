@@ -873,6 +873,7 @@ async def test_send_soon_leaves_its_frame_to_the_writer_and_keeps_call_order() -
         ca.uncork()
         assert not readable()  # not written by the call, nor by the uncork
         got = [await cb.receive()]  # the writer wrote it once this task let it run
+        await trio.testing.wait_all_tasks_blocked()  # (the writer is done with its write)
         assert ca.send_soon(Ping(payload=b"soon"))
         assert not readable()
         assert ca.send_nowait(Ping(payload=b"now"))  # written now, the queued one first
