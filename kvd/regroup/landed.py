@@ -6,8 +6,9 @@ must first see its own kernel complete, then do its bookkeeping, then write the 
 must read and decode it. A landed event removes that from the request's critical path:
 
 - **ctx** records one of a small ring of interprocess events (:class:`LandedRing`) on the
-  kernel's stream right after the launch and names it (slot, handle) in its path message,
-  which leaves at once, while the kernel runs;
+  kernel's stream right after the launch (the launch's own completion event, handed to it by
+  :meth:`LandedRing.take`; :meth:`LandedRing.record` records one after other work) and names
+  it (slot, handle) in its path message, which leaves at once, while the kernel runs;
 - **gen** opens the handle (once per slot: :func:`opened` / :func:`open_event`, ~0.2 ms, in a
   worker thread) and polls it from its event loop (:func:`query`, a fraction of a microsecond);
   when it completes, every byte of the request is in gen's blocks and no write of it can land
@@ -98,21 +99,18 @@ class LandedRing:
     def record(self, stream: int) -> LandedMark | None:
         """Record the next slot's event on CUDA stream ``stream`` (a handle, as an int); None
         when the ring records on another stream (the reuse rule holds on one stream only)."""
+        taken = self.take(stream)
+        if taken is None:
+            return None
+        event, landed = taken
         cu = _driver()
-        with self._lock:
-            if self.stream is None:
-                self.stream = stream
-            elif stream != self.stream:
-                return None
-            slot = self._next
-            self._next = (slot + 1) % len(self._events)
-            # (the stream may be the legacy default one, 0: the context says whose it is)
-            _check(cu.cuCtxPushCurrent(self.ctx), "cuCtxPushCurrent")
-            try:
-                _check(cu.cuEventRecord(self._events[slot], cu.CUstream(stream)), "cuEventRecord")
-            finally:
-                cu.cuCtxPopCurrent()
-        return LandedMark(self.device, slot, self._handles[slot])
+        # (the stream may be the legacy default one, 0: the context says whose it is)
+        _check(cu.cuCtxPushCurrent(self.ctx), "cuCtxPushCurrent")
+        try:
+            _check(cu.cuEventRecord(event, cu.CUstream(stream)), "cuEventRecord")
+        finally:
+            cu.cuCtxPopCurrent()
+        return landed
 
     def _destroy(self) -> None:
         cu = _driver()
