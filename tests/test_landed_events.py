@@ -26,7 +26,7 @@ def test_a_handle_that_cannot_be_opened_is_remembered_as_refused(capfd: pytest.C
     assert landed.opened("ctx-a", handle) == (True, None)
     assert landed.open_event("ctx-a", handle, 0) is None  # asked again: from memory, no second line
     err = capfd.readouterr()
-    assert (err.out + err.err).count("transfer.landed_event_refused") == 1
+    assert (err.out + err.err).count("regroup.landed_event_refused") == 1
     # the same bytes from another instance of the peer (a restarted daemon) are another event
     assert landed.opened("ctx-b", handle) == (False, None)
 

@@ -64,7 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="python -m kvd.bench.ipc_events",
         description="What CUDA interprocess events cost, and how a second process sees one recorded "
-                    "again after GPU work (what kvd's landed events rest on).")
+                    "again after GPU work (what kvd's landed events rest on). Needs a CUDA GPU and "
+                    "cuda-python.")
     ap.add_argument("--device", type=int, default=0, help="CUDA device (default 0)")
     return ap
 
@@ -73,6 +74,8 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     import torch
 
+    if not torch.cuda.is_available():
+        raise SystemExit("error: python -m kvd.bench.ipc_events needs a CUDA GPU (torch sees none)")
     dev = args.device
     torch.zeros(1, device=f"cuda:{dev}")
     cu = _cu()

@@ -167,8 +167,14 @@ def report(trace: Trace, show: int) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     """The options of ``python -m kvd.bench.timeline``."""
-    p = argparse.ArgumentParser(prog="python -m kvd.bench.timeline",
-                                description="Both daemons' event-loop steps around each request, on one clock.")
+    p = argparse.ArgumentParser(
+        prog="python -m kvd.bench.timeline",
+        description="Both daemons' event-loop steps around each request, on one clock.",
+        epilog="Each timeline line: microseconds since the ctx executor's call, the daemon (ctx or gen), "
+               "the step's length in microseconds (0.0 for a mark inside a step), and the step's task or, "
+               "after '=', a mark: a request or reply, an event fed to the transfer state machine with "
+               "the actions it returned, an action carried out, a data-path stage (a request completed from "
+               "a landed event shows 'feed LandedSeen' on gen).")
     p.add_argument("--geometry", choices=sorted(GEOMETRIES), default="tiny",
                    help="KV geometry (default tiny: 9 KiB blocks, the copy is ~free, what is left is control work)")
     p.add_argument("--blocks", type=int, default=1, help="request size in blocks (default 1)")
@@ -180,7 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gen-device", type=int, default=None, help="gen pools' GPU (default: --device)")
     p.add_argument("--client-spin-us", type=float, default=0.0,
                    help="executors poll their socket this long before sleeping (Client(spin_s=); default 0)")
-    p.add_argument("--show", type=int, default=2, help="timelines printed: the median request and the fastest ones (default 2)")
+    p.add_argument("--show", type=int, default=2, help="timelines printed in all: the median request's, then the fastest requests' (default 2: the median and the fastest)")
     return p
 
 

@@ -337,3 +337,5 @@ def main(argv: list[str] | None = None) -> int:
             print(f"work directory kept: {workdir}")
         else:
             shutil.rmtree(workdir, ignore_errors=True)
+            print("(the daemons' configs and logs were in a temporary directory, now removed: "
+                  "kvd demo --keep keeps them)")

@@ -207,7 +207,7 @@ def open_event(instance: str, handle: bytes, device: int) -> Any:
         finally:
             cu.cuCtxPopCurrent()
     except Exception as exc:
-        log.warning("transfer.landed_event_refused", device=device, error=str(exc),
+        log.warning("regroup.landed_event_refused", device=device, error=str(exc),
                     fallback="gen waits for the data-done message")
         ev = None
     with _opened_lock:
@@ -229,6 +229,6 @@ def query(ev: Any) -> bool | None:
         return True
     if err == cu.CUresult.CUDA_ERROR_NOT_READY:
         return False
-    log.warning("transfer.landed_event_failed", error=getattr(err, "name", str(err)),
+    log.warning("regroup.landed_event_failed", error=getattr(err, "name", str(err)),
                 fallback="gen waits for the data-done message")
     return None

@@ -165,10 +165,12 @@ def landed_after(completions: list[Any]) -> LandedMark | None:
     devices = {e.device for e in events}
     if len(streams) != 1 or len(devices) != 1:
         return None
+    device = devices.pop()
     try:
-        return landed_mod.record(devices.pop(), streams.pop())
+        return landed_mod.record(device, streams.pop())
     except kernel_mod.KernelError as exc:  # speed only: the data-done message still completes gen
-        log.warning("regroup.landed_event_not_recorded", error=str(exc))
+        log.warning("transfer.landed_event_not_recorded", device=device, error=str(exc),
+                    fallback="gen waits for the data-done message")
         return None
 
 

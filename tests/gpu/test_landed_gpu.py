@@ -72,7 +72,7 @@ async def test_gpu_gen_completes_on_the_landed_event(
     seen = sum(1 for d in late if d["stages"].get("landed_event") == 1)
     # the data-done message may still win a race now and then; most requests must not need it
     assert seen >= len(late) // 2, [d["stages"] for d in late]
-    assert '"transfer.landed_event_refused"' not in pair.gen.log()
+    assert '"regroup.landed_event_refused"' not in pair.gen.log()
     assert '"regroup.landed_events_unavailable"' not in pair.ctx.log()
 
 
