@@ -61,6 +61,7 @@ def _reader(conn: Connection, device: int) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The options of ``python -m kvd.bench.ipc_events``."""
     ap = argparse.ArgumentParser(
         prog="python -m kvd.bench.ipc_events",
         description="What CUDA interprocess events cost, and how a second process sees one recorded "
