@@ -17,20 +17,7 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any
 
-
-def _cu() -> Any:
-    from cuda.bindings import driver
-
-    return driver
-
-
-def _ok(res: Any) -> Any:
-    cu = _cu()
-    if not isinstance(res, tuple):
-        res = (res,)
-    if res[0] != cu.CUresult.CUDA_SUCCESS:
-        raise RuntimeError(f"CUDA driver call failed: {res[0]}")
-    return res[1] if len(res) == 2 else None
+from kvd.regroup.kernel import _check, _driver, _primary_context
 
 
 def _status(res: Any) -> Any:
@@ -38,14 +25,13 @@ def _status(res: Any) -> Any:
 
 
 def _reader(conn: Connection, device: int) -> None:
-    cu = _cu()
-    _ok(cu.cuInit(0))
-    ctx = _ok(cu.cuDevicePrimaryCtxRetain(_ok(cu.cuDeviceGet(device))))
-    _ok(cu.cuCtxPushCurrent(ctx))
+    cu = _driver()
+    ctx = _primary_context(device)
+    _check(cu.cuCtxPushCurrent(ctx), "cuCtxPushCurrent")
     handle = cu.CUipcEventHandle()
     handle.reserved = conn.recv()
     t = time.perf_counter()
-    ev = _ok(cu.cuIpcOpenEventHandle(handle))
+    ev = _check(cu.cuIpcOpenEventHandle(handle), "cuIpcOpenEventHandle")
     conn.send(time.perf_counter() - t)
     while conn.recv() == "recorded":
         t0 = time.perf_counter()
@@ -79,15 +65,15 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("error: python -m kvd.bench.ipc_events needs a CUDA GPU (torch sees none)")
     dev = args.device
     torch.zeros(1, device=f"cuda:{dev}")
-    cu = _cu()
-    ctx = _ok(cu.cuDevicePrimaryCtxRetain(_ok(cu.cuDeviceGet(dev))))
-    _ok(cu.cuCtxPushCurrent(ctx))
+    cu = _driver()
+    ctx = _primary_context(dev)
+    _check(cu.cuCtxPushCurrent(ctx), "cuCtxPushCurrent")
     flags = cu.CUevent_flags.CU_EVENT_INTERPROCESS | cu.CUevent_flags.CU_EVENT_DISABLE_TIMING
     t = time.perf_counter()
-    ev = _ok(cu.cuEventCreate(flags))
+    ev = _check(cu.cuEventCreate(flags), "cuEventCreate")
     t_create = time.perf_counter() - t
     t = time.perf_counter()
-    handle = _ok(cu.cuIpcGetEventHandle(ev))
+    handle = _check(cu.cuIpcGetEventHandle(ev), "cuIpcGetEventHandle")
     t_get = time.perf_counter() - t
     print(f"create {t_create * 1e6:.1f} us, get handle {t_get * 1e6:.1f} us, handle {len(bytes(handle.reserved))} bytes")
     spawn = mp.get_context("spawn")
@@ -102,7 +88,7 @@ def main(argv: list[str] | None = None) -> None:
         with torch.cuda.stream(stream):
             torch.cuda._sleep(cycles)  # type: ignore[no-untyped-call]
         t = time.perf_counter()
-        _ok(cu.cuEventRecord(ev, hs))
+        _check(cu.cuEventRecord(ev, hs), "cuEventRecord")
         t_rec = time.perf_counter() - t
         here.send("recorded")
         stream.synchronize()

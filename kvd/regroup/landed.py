@@ -136,12 +136,10 @@ def prepare(device: int) -> LandedRing | None:
         if ENABLED:
             try:
                 ring = LandedRing(device)
-            except KernelError as exc:
-                log.warning("regroup.landed_events_unavailable", device=device, reason=str(exc),
-                            fallback="gen waits for the data-done message")
             except Exception as exc:  # speed only: a transfer never fails for it
-                log.warning("regroup.landed_events_unavailable", device=device,
-                            reason=f"{type(exc).__name__}: {exc}", fallback="gen waits for the data-done message")
+                reason = str(exc) if isinstance(exc, KernelError) else f"{type(exc).__name__}: {exc}"
+                log.warning("regroup.landed_events_unavailable", device=device, reason=reason,
+                            fallback="gen waits for the data-done message")
         _rings[device] = ring
         return ring
 

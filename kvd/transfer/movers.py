@@ -213,20 +213,32 @@ async def until_done(work: list[tuple[Callable[[], bool], int]], bps: float = KE
     hears it ended."""
     try:
         for done, nbytes in work:
-            # trio's timers wake at millisecond resolution: sleep through part of the expected
-            # time, then poll the event at every checkpoint. Half of it only: ``bps`` is the
-            # NVLink estimate, and the same kernel within one GPU runs ~4x faster (a 1152 MiB
-            # request slept 1.3 ms past its kernel's end there)
-            expected = nbytes / bps
-            if expected > 4e-3 and not done():
-                await trio.sleep(expected / 2 - 1e-3)
-            while not done():
-                await trio.sleep(0)
+            await wait_polling(done, nbytes, bps)
     finally:
         with trio.CancelScope(shield=True):
             for done, _ in work:
                 while not _settled(done):
                     await trio.sleep(0)
+
+
+async def wait_polling(ready: Callable[[], bool | None], nbytes: int, bps: float = KERNEL_LINK_BPS) -> bool | None:
+    """Wait, from the event loop, for GPU work moving ``nbytes`` at about ``bps``: ask
+    ``ready()`` (never blocking) until it answers other than False; return that answer (True:
+    done; None: the caller stopped asking). Unshielded: a cancel ends the wait.
+
+    trio's timers wake at millisecond resolution: sleep through part of the expected time, then
+    ask at every checkpoint. Half of it only: ``bps`` is the NVLink estimate, and the same
+    kernel within one GPU runs ~4x faster (a 1152 MiB request slept 1.3 ms past its kernel's
+    end there)."""
+    expected = nbytes / bps
+    if expected > 4e-3:
+        first = ready()
+        if first is not False:
+            return first
+        await trio.sleep(expected / 2 - 1e-3)
+    while (answer := ready()) is False:
+        await trio.sleep(0)
+    return answer
 
 
 def _settled(done: Callable[[], bool]) -> bool:

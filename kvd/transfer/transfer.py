@@ -40,7 +40,7 @@ from kvd.regroup import landed
 from kvd.regroup.landed import LandedMark
 from kvd.regroup.plan import CheckedBlocks, Plan, check_blocks, plan
 from kvd.transfer.lazychannel import LazyChannel
-from kvd.transfer.movers import KERNEL_LINK_BPS
+from kvd.transfer.movers import wait_polling
 from kvd.transfer.paths import bounce, direct, fragment, local, mapped
 from kvd.transfer.paths.base import Job, Sent
 from kvd.transfer.requests import Side
@@ -1224,19 +1224,14 @@ class Transfer:
         await trio.to_thread.run_sync(landed.open_event, instance, handle, device)
 
     async def _landed_task(self, event: Any, ev: x.LandedEvent) -> None:
-        # a large request's kernel takes a while: sleep through part of it, then poll at every
-        # checkpoint (as the ctx side waits for its own kernel: kvd.transfer.movers.until_done)
-        expected = ev.nbytes / KERNEL_LINK_BPS
-        if expected > 4e-3:
-            await trio.sleep(expected / 2 - 1e-3)
-        while self.machine.state(f.Role.CTX) is f.State.SENDING:
-            done = landed.query(event)
-            if done is None:
-                return  # the query failed (logged): the data-done message decides
-            if done:
-                self._landed_seen(ev)
-                return
-            await trio.sleep(0)
+        def ready() -> bool | None:
+            if self.machine.state(f.Role.CTX) is not f.State.SENDING:
+                return None  # ctx's word came first: stop asking
+            return landed.query(event)  # (None: the query failed, logged: the data-done message decides)
+
+        # polled as the ctx side waits for its own kernel (kvd.transfer.movers.until_done)
+        if await wait_polling(ready, ev.nbytes):
+            self._landed_seen(ev)
 
     def _landed_seen(self, ev: x.LandedEvent) -> None:
         if self.machine.state(f.Role.CTX) is not f.State.SENDING:

@@ -15,7 +15,7 @@ from typing import Any, Literal
 import numpy as np
 import numpy.typing as npt
 
-from kvd.regroup import landed
+from kvd.regroup import landed as landed_mod
 from kvd.regroup.kernel import kernel_ready
 from kvd.regroup.plan import Plan
 from kvd.transfer.movers import copy_runs, kernels_loaded
@@ -90,7 +90,7 @@ def launch_now(job: Job) -> local.KernelRun | None:
     if placed is None or copy_engine_runs(job.plan) is not None:
         return None
     where, need = placed
-    if not all(kernel_ready(dev) and landed.prepared(dev) for dev in need):
+    if not all(kernel_ready(dev) and landed_mod.prepared(dev) for dev in need):
         return None  # not loaded yet (or unavailable): send() loads it in a worker thread
     return _start_kernel(job, where, landed=where == "src")
 
