@@ -265,9 +265,9 @@ def test_each_table_size_takes_its_parameter_or_device_memory(
     run = k.run
 
     def spy(table: npt.NDArray[np.int64], npairs: int, ntiles: int, stream: int, *,
-            small: bool | None = None) -> kernel.DriverEvent:
+            small: bool | None = None, event: object = None) -> kernel.DriverEvent:
         seen.append(table.size)
-        return run(table, npairs, ntiles, stream, small=small)
+        return run(table, npairs, ntiles, stream, small=small, event=event)
 
     with patch.object(k, "run", spy):  # on exit the instance attribute is deleted: k.run is the method again
         rg.regroup(p, 0, src, got, engine="kernel").wait()
@@ -302,10 +302,10 @@ def test_a_driver_that_refuses_the_32_kib_parameter_falls_back_to_device_memory(
     real = k._enqueue_param
 
     def refusing(cu: object, table: npt.NDArray[np.int64], npairs: int, ntiles: int, hs: object, func: object,
-                 buf: npt.NDArray[np.int64], ptrs_addr: int) -> kernel.DriverEvent:
+                 buf: npt.NDArray[np.int64], ptrs_addr: int, event: object = None) -> kernel.DriverEvent:
         if func is large:
             raise kernel.KernelError("cuLaunchKernel failed: CUDA_ERROR_INVALID_VALUE")
-        return real(cu, table, npairs, ntiles, hs, func, buf, ptrs_addr)
+        return real(cu, table, npairs, ntiles, hs, func, buf, ptrs_addr, event)
 
     monkeypatch.setattr(k, "_enqueue_param", refusing)
     try:
