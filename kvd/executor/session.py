@@ -38,7 +38,7 @@ from protocol.errors import (
     VersionMismatch,
 )
 from protocol.framing import DEFAULT_MAX_FRAME_SIZE, FrameBuffer
-from protocol.limits import clip_text
+from protocol.limits import MAX_NAME_LEN, clip_text
 
 if TYPE_CHECKING:
     from kvd.daemon import Daemon
@@ -55,6 +55,11 @@ REFUSE_LINGER_S = 1.0
 REFUSE_LINGER_BYTES = 4 << 20
 #: Replies may always be this large, whatever ``max_frame_size`` (stats, pool lists).
 REPLY_FLOOR = 1 << 20
+#: An ``Allocated`` reply's frame besides its ids: header, tag, id, pool name (at most
+#: ``MAX_NAME_LEN`` characters of up to 4 UTF-8 bytes each), array header; and the most bytes
+#: one block id (at most ``MAX_BLOCK_ID``, below 2**32) takes in msgpack.
+_ALLOCATED_OVERHEAD = 64 + 4 * MAX_NAME_LEN
+_MAX_BLOCK_ID_BYTES = 5
 #: The registrations, which a wait may follow in the same read (a tuple: ``A | B`` in an
 #: ``isinstance`` builds a union object on every call).
 _REGISTRATIONS = (m.Publish, m.Expect)
@@ -113,6 +118,24 @@ class SessionConnection:
         """Largest reply frame: ``max_frame_size`` (at least 1 MiB), at most what clients read
         (the daemon's configuration does not change while it runs: worked out once)."""
         return self._reply_limit
+
+    @property
+    def alloc_fits(self) -> int:
+        """Block ids an ``Allocated`` reply holds for sure (each at most 5 bytes of msgpack)."""
+        return (self._reply_limit - _ALLOCATED_OVERHEAD) // _MAX_BLOCK_ID_BYTES
+
+    def fits(self, reply: m.Allocated) -> bool:
+        """Whether ``reply`` fits one reply frame (encoded only when the count leaves a doubt)."""
+        n = len(reply.block_ids)
+        if n <= self.alloc_fits:
+            return True
+        if n > self._reply_limit:  # every id takes a byte at least: no need to encode them
+            return False
+        try:
+            encode(reply, self._reply_limit)
+        except FrameTooLarge:
+            return False
+        return True
 
     def _encode(self, msg: m.Message) -> tuple[bytes, bool]:
         """The reply's frame, and whether it is the frame of ``msg`` itself: a reply too large
@@ -542,6 +565,20 @@ async def _dispatch(daemon: Daemon, conn: SessionConnection, waits: Waits, msg: 
         daemon.after_reply()
         log.exception("session.internal_error", request=type(msg).__name__)
         await conn.send_error(msg.id, InternalError(f"{type(exc).__name__}: {exc}"))
+        return
+    if isinstance(reply, m.Allocated) and not conn.fits(reply):
+        # all or nothing: blocks whose ids the executor cannot be told go back at once (no
+        # checkpoint since the alloc: nobody saw them), else they stay leased, unusable and
+        # unfreeable, until the session ends
+        daemon.pool(reply.pool).blocks.free(session.id, reply.block_ids)
+        daemon.update_pool_metrics([reply.pool])
+        daemon.after_reply()
+        n = len(reply.block_ids)
+        err = ReplyTooLarge(f"alloc of {n} blocks: their ids do not fit in one reply frame of at most "
+                            f"{conn.reply_limit} bytes; nothing was allocated: ask for fewer blocks "
+                            f"(at most {conn.alloc_fits} per alloc), in several allocs")
+        _throttle.warning("session.reply_too_large", reply="Allocated", reason=err.message)
+        await conn.send_error(msg.id, err)
         return
     # a registration's data path, when it runs in this step, starts once the reply is out
     await conn.send(reply, fds, then=daemon.after_reply)
