@@ -24,6 +24,7 @@ __all__ = [
     "MAX_COUNT",
     "MAX_DEADLINE_S",
     "MAX_HEAD_DIM",
+    "MAX_HELLO_FRAME",
     "MAX_KV_HEADS",
     "MAX_LAYERS",
     "MAX_NAME_LEN",
@@ -71,6 +72,10 @@ MAX_POOLS = 256
 MAX_REGIONS = 64
 #: Receive slots of one bounce region (slot indices are below this).
 MAX_SLOTS = 1 << 20
+#: The first frame of an executor connection (its Hello, a few hundred bytes), checked as soon
+#: as its length arrives: a connection not through its handshake holds no more of the daemon's
+#: memory than this (as a peer before it authenticated, ``protocol.peer.PRE_AUTH_MAX_FRAME_SIZE``).
+MAX_HELLO_FRAME = 64 * 1024
 #: Deadlines and wait timeouts, seconds (one day).
 MAX_DEADLINE_S = 86400.0
 #: Counters (bytes, writes, chunks) and other non-negative integers: a signed 64-bit value.
