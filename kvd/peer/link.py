@@ -420,6 +420,16 @@ def _auth_failed(
     return AuthFailed(f"{who}{where} failed the shared-secret handshake: {reason}")
 
 
+def _check_node_name(conn: PeerConnection, theirs: str, ours: str) -> BadRequest | None:
+    """Why the node name the peer gave cannot be a peer's (None: it can). ``""`` is this
+    daemon's "no peer" (the key of gen sides that named none): a link under it would reach them."""
+    if not theirs:
+        return BadRequest(f"the peer at {conn.remote_addr} gave an empty node name; every daemon needs a node name")
+    if theirs == ours:
+        return BadRequest(f"the peer at {conn.remote_addr} has our own node name {ours!r}")
+    return None
+
+
 def _as_conn(stream: trio.abc.Stream | PeerConnection, max_frame_size: int) -> PeerConnection:
     if isinstance(stream, PeerConnection):
         return stream
@@ -488,8 +498,8 @@ async def handshake_client(
                 fail = _auth_failed(conn, "client", _MAC_MISMATCH, ch.node, warn_)
                 await _refuse(conn, fail)
                 raise fail
-            if ch.node == node:
-                err_b = BadRequest(f"the peer at {conn.remote_addr} has our own node name {node!r}")
+            err_b = _check_node_name(conn, ch.node, node)
+            if err_b is not None:
                 await _refuse(conn, err_b)
                 raise err_b
             mac_c = handshake_mac(
@@ -571,8 +581,8 @@ async def handshake_server(
                 fail = _auth_failed(conn, "server", exc.message, hello.node, warn_)
                 await _refuse(conn, fail)
                 raise fail from None
-            if hello.node == node:
-                err_b = BadRequest(f"the peer at {conn.remote_addr} has our own node name {node!r}")
+            err_b = _check_node_name(conn, hello.node, node)
+            if err_b is not None:
                 await _refuse(conn, err_b)
                 raise err_b
             nonce_s = new_nonce()
