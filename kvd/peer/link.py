@@ -420,6 +420,19 @@ def _auth_failed(
     return AuthFailed(f"{who}{where} failed the shared-secret handshake: {reason}")
 
 
+async def _expect_logged(conn: PeerConnection, cls: type[_M], side: str, node: str, warn: Warn) -> _M:
+    """:func:`_expect`, where the peer's own refusal (a ``PeerError`` naming ``auth_failed`` or
+    ``version_mismatch``) is logged as ours are: the listener takes those two errors for ones
+    the handshake logged, and anyone who reaches the port can send them."""
+    try:
+        return await _expect(conn, cls)
+    except AuthFailed as exc:
+        raise _auth_failed(conn, side, f"the peer refused us: {exc.message}", node, warn) from None
+    except VersionMismatch as exc:
+        warn("peer.version_mismatch", remote=conn.remote_addr, side=side, error=exc.message)
+        raise
+
+
 def _check_node_name(conn: PeerConnection, theirs: str, ours: str) -> BadRequest | None:
     """Why the node name the peer gave cannot be a peer's (None: it can). ``""`` is this
     daemon's "no peer" (the key of gen sides that named none): a link under it would reach them."""
@@ -565,7 +578,7 @@ async def handshake_server(
     try:
         with trio.fail_after(timeout):
             conn.max_frame_size = min(full, PRE_AUTH_MAX_FRAME_SIZE)
-            hello = await _expect(conn, PeerHello)
+            hello = await _expect_logged(conn, PeerHello, "server", "", warn_)
             if hello.version != version:
                 err = VersionMismatch(
                     f"peer {hello.node!r} speaks peer protocol {hello.version}, we speak {version}"
@@ -595,10 +608,7 @@ async def handshake_server(
             )
             mac_s = handshake_mac(secret, "server", **args)
             await conn.send(PeerChallenge(version=version, node=node, nonce=nonce_s, mac=mac_s))
-            try:
-                auth = await _expect(conn, PeerAuth)
-            except AuthFailed as exc:
-                raise _auth_failed(conn, "server", f"the peer refused us: {exc.message}", hello.node, warn_) from None
+            auth = await _expect_logged(conn, PeerAuth, "server", hello.node, warn_)
             if not verify_mac(handshake_mac(secret, "client", **args), auth.mac):
                 fail = _auth_failed(conn, "server", _MAC_MISMATCH, hello.node, warn_)
                 await _refuse(conn, fail)
@@ -607,7 +617,7 @@ async def handshake_server(
             conn.max_frame_size = full
             ours = local_welcome_payload() if callable(local_welcome_payload) else local_welcome_payload
             await conn.send(msgspec.structs.replace(ours, node=node))
-            welcome = await _expect(conn, PeerWelcome)
+            welcome = await _expect_logged(conn, PeerWelcome, "server", hello.node, warn_)
             if welcome.node != hello.node:
                 raise ProtocolError(f"peer {hello.node!r} sent a welcome for {welcome.node!r}")
     except trio.TooSlowError:
