@@ -8,6 +8,7 @@ for it, no traceback (:class:`tests.hostile.Baseline`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import resource
@@ -34,7 +35,7 @@ from protocol.codec import encode
 from protocol.errors import Draining
 from protocol.framing import frame
 from protocol.layout import KVLayout
-from protocol.limits import MAX_REQUEST_ID_LEN
+from protocol.limits import MAX_HELLO_FRAME, MAX_REQUEST_ID_LEN
 from protocol.peer import (
     PEER_PROTOCOL_VERSION,
     PeerAuth,
@@ -429,12 +430,20 @@ def test_huge_names_and_request_ids_are_refused(daemon_factory: Factory) -> None
     d = daemon_factory()
     base = Baseline.take(d)
     log_size = os.path.getsize(d.log_path)
-    # a 9 MiB client name: refused at the handshake (the frame itself is within the limit)
+    # a 60 KiB client name: refused at the handshake (the Hello itself is within its 64 KiB)
     raw = Raw(d.socket_path)
-    raw.send(encode(m.Hello(id=1, version=m.PROTOCOL_VERSION, client="n" * (9 << 20))))
+    raw.send(encode(m.Hello(id=1, version=m.PROTOCOL_VERSION, client="n" * (60 << 10))))
     err = raw.error()
     assert err.code == "protocol" and "$.client" in err.message and len(err.message) < 200
     assert raw.receive() is None
+    raw.close()
+    # a 9 MiB one: a Hello frame above MAX_HELLO_FRAME, refused as soon as its length arrives
+    # (the daemon hangs up before it read all of it: our send may break)
+    raw = Raw(d.socket_path)
+    with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+        raw.send(encode(m.Hello(id=1, version=m.PROTOCOL_VERSION, client="n" * (9 << 20))))
+    err = raw.error()
+    assert err.code == "frame_too_large" and str(MAX_HELLO_FRAME) in err.message
     raw.close()
     # 1 MiB request ids: each an Error, the session goes on
     raw = Raw(d.socket_path)
@@ -453,7 +462,9 @@ def test_huge_names_and_request_ids_are_refused(daemon_factory: Factory) -> None
         c.ping(b"x")
     raw.close()
     assert os.path.getsize(d.log_path) - log_size < 64 << 10  # no megabytes of log
-    _one_warning(base, "session.bad_frame")  # 17 bad frames, one (rate-limited) line
+    # 17 bad frames, one (rate-limited) line; and the oversized Hello's
+    wait_until(lambda: len(base.new_warnings()) >= 2, "the warnings")
+    assert sorted(r["event"] for r in base.new_warnings()) == ["session.bad_frame", "session.frame_too_large"]
     base.check()
 
 
