@@ -419,7 +419,6 @@ def build_parser() -> argparse.ArgumentParser:
                     "pages are followed to the end)")
     _paging_options(p_sessions, "sessions")
     p_ping = sub.add_parser("ping", parents=[common], help=helps["ping"], description=helps["ping"])
-    p_ping.set_defaults(ping_usage=p_ping.format_usage)
     p_ping.add_argument("--wait", type=_positive, metavar="SECONDS",
                         help="retry until the daemon answers or SECONDS pass (scripts that start kvd)")
     p_ping.add_argument("--pid", type=_count, metavar="PID",
@@ -439,18 +438,43 @@ def build_parser() -> argparse.ArgumentParser:
     p_tr.add_argument("--watch", "-w", action="store_true", help="refresh until interrupted (Ctrl-C)")
     p_tr.add_argument("--interval", "-n", type=_positive, default=1.0, help="seconds between refreshes (default 1)")
     p_tr.add_argument("--count", "-c", type=_count, default=0, help="stop after this many refreshes (implies --watch; default 0: until interrupted)")
+    for command in _commands(parser).values():
+        command.set_defaults(usage=command.format_usage)  # an error names the command's usage, not kvctl's
     return parser
+
+
+def _commands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    """``kvctl``'s commands and their parsers."""
+    return {name: command for action in parser._actions if isinstance(action, argparse._SubParsersAction)
+            for name, command in action.choices.items()}
+
+
+def _unrecognized(parser: argparse.ArgumentParser, command: str, extra: list[str]) -> str:
+    """The error line for arguments ``command`` does not take; an option another command has
+    (``kvctl peers --watch``) says which command that is."""
+    line = f"kvctl {command}: error: unrecognized arguments: {' '.join(extra)}"
+    options = [arg.partition("=")[0] for arg in extra if arg.startswith("-")]
+    for option in options:
+        owners = [name for name, sub in _commands(parser).items() if option in sub._option_string_actions]
+        if owners:
+            line += f" ({option} is an option of kvctl {' and '.join(owners)}, not of kvctl {command})"
+            break
+    return line
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``kvctl`` console script."""
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args, extra = parser.parse_known_args(argv)
     except SystemExit as exc:
         return EXIT_USAGE if exc.code else EXIT_OK
+    if extra:
+        sys.stderr.write(args.usage())
+        print(_unrecognized(parser, args.command, extra), file=sys.stderr)
+        return EXIT_USAGE
     if args.command == "ping" and args.pid is not None and not args.wait:
-        sys.stderr.write(args.ping_usage())  # ping's own usage line, not kvctl's
+        sys.stderr.write(args.usage())  # ping's own usage line, not kvctl's
         print("kvctl ping: error: --pid needs --wait SECONDS (it ends the wait early)", file=sys.stderr)
         return EXIT_USAGE
     try:

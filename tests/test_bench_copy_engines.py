@@ -24,3 +24,17 @@ def test_bad_arguments_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         main(["--device", "cpu", "--blocks", "0"])
     assert exc.value.code == 2 and "positive sizes" in capsys.readouterr().err
+
+
+def test_too_few_gpus_is_refused_before_any_daemon_starts(monkeypatch: pytest.MonkeyPatch,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """The default ``--device cuda`` needs GPUs 0 and 1: with fewer, one usage line that names
+    ``--device cpu``, not a daemon's startup error about a pool the user never configured."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(SystemExit) as exc:
+        main(["--blocks", "2", "--repeat", "1"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "this machine has 1 CUDA GPU(s)" in err and "--device cpu" in err

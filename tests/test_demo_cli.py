@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -52,6 +53,21 @@ def test_the_readme_demo_command_runs() -> None:
     # every row shows the whole request's bytes (32 blocks by default), which the caption explains
     assert {row[1] for row in rows} == {str(32 * BLOCK_BYTES)}, run.stdout
     assert "bytes: the whole request, all ranks of that side together" in run.stdout
+
+
+def test_demo_keep_keeps_the_configs_and_logs_only() -> None:
+    """``--keep`` prints the directory; it holds what a user reads or reruns (the two configs, their
+    logs, the peer secret), not the notify sockets the demo stood in for systemd with."""
+    run = kvd("demo", "--blocks", "1", "--keep")
+    assert run.returncode == 0, (run.stdout, run.stderr)
+    kept = re.search(r"^work directory kept: (.+)$", run.stdout, re.M)
+    assert kept is not None, run.stdout
+    workdir = Path(kept.group(1))
+    try:
+        names = sorted(p.name for p in workdir.iterdir())
+        assert names == ["ctx.log", "ctx.toml", "gen.log", "gen.toml", "peer.secret"], names
+    finally:
+        shutil.rmtree(workdir)
 
 
 def usage_error(run: subprocess.CompletedProcess[str], prog: str, says: str) -> None:

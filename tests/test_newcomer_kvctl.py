@@ -15,6 +15,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
 from kvd.demo.launch import DaemonProcess, write_config
 from tests.test_kvctl import kvctl
 
@@ -64,3 +66,21 @@ def test_pid_without_wait_is_a_usage_error(short_tmp: Path) -> None:
     assert run.stderr.startswith("usage: kvctl ping "), run.stderr  # ping's usage, not kvctl's
     run = kvctl("ping", "--wait", "1", "--pid", "0", socket=str(short_tmp / "never.sock"))
     assert run.returncode == 2 and "must be at least 1" in run.stderr
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["peers", "--watch"], "kvctl peers: error: unrecognized arguments: --watch (--watch is an option of kvctl "
+                           "transfers, not of kvctl peers)"),
+    (["pools", "--limit=3"], "kvctl pools: error: unrecognized arguments: --limit=3 (--limit is an option of kvctl "
+                             "sessions and transfers, not of kvctl pools)"),
+    (["status", "--wait", "3"], "kvctl status: error: unrecognized arguments: --wait 3 (--wait is an option of "
+                                "kvctl ping, not of kvctl status)"),
+    (["cancel", "req-1", "req-2"], "kvctl cancel: error: unrecognized arguments: req-2"),
+])
+def test_an_option_of_another_command_says_which(short_tmp: Path, args: list[str], says: str) -> None:
+    """An argument the command does not take is reported with that command's usage (not
+    kvctl's), and an option that belongs to another command names it."""
+    run = kvctl(*args, socket=str(short_tmp / "never.sock"))
+    assert run.returncode == 2, (run.stdout, run.stderr)
+    assert run.stderr.startswith(f"usage: kvctl {args[0]} "), run.stderr
+    assert run.stderr.splitlines()[-1] == says, run.stderr

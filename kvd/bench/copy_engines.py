@@ -89,6 +89,13 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [int(b) for b in args.blocks.split(",") if b]
     if not sizes or min(sizes) < 1 or args.repeat < 1:
         p.error("--blocks needs positive sizes and --repeat at least 1")
+    if args.device == "cuda":
+        import torch
+
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count < 2:
+            p.error(f"--device cuda (the default) puts the ctx pool on GPU 0 and the gen pool on GPU 1: this "
+                    f"machine has {count} CUDA GPU(s); --device cpu runs the same requests on host pools")
     for blocks in sizes:
         for shuffled in (False, True):
             for copy_engine in (True, False):

@@ -112,6 +112,12 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if (device.index or 0) >= count:
+            print(f"kvd bench regroup: error: --device {args.device} needs CUDA device {device.index or 0}: this "
+                  f"machine has {count} CUDA GPU(s) (without --device it runs on the CPU)", file=sys.stderr)
+            return 2
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     engine = args.engine or ("both" if device.type == "cuda" else "torch")

@@ -103,14 +103,28 @@ class DaemonProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        self.notify.close()
+        self.close_notify()
         return self.proc.returncode
 
     def kill(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
-        self.notify.close()
+        self.close_notify()
+
+    def close_notify(self) -> None:
+        """Close the notify socket and remove its file (else ``kvd demo --keep`` leaves one
+        stale ``NAME-notify-*.sock`` per daemon among the configs and logs it keeps)."""
+        close_notify(self.notify)
+
+
+def close_notify(notify: socket.socket) -> None:
+    """Close a bound ``AF_UNIX`` notify socket and unlink its path (idempotent)."""
+    if notify.fileno() != -1:
+        path = notify.getsockname()
+        notify.close()
+        if isinstance(path, str) and path:
+            Path(path).unlink(missing_ok=True)
 
 
 def write_config(directory: str | Path, name: str, config: Mapping[str, Any]) -> str:
@@ -322,7 +336,7 @@ def start_daemon(
                     daemon.peer_port = int(match.group(1)) if match else 0
                     return daemon
             if proc.poll() is not None:
-                notify.close()
+                close_notify(notify)
                 raise LaunchError(f"kvd {name} exited with {proc.returncode} before READY:\n{daemon.log()[-4000:]}")
         daemon.kill()
         raise LaunchError(f"kvd {name} not ready within {timeout}s:\n{daemon.log()[-4000:]}")
