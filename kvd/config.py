@@ -179,6 +179,11 @@ class LimitsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     #: Ended requests remembered for late ranks and messages (until their deadlines); beyond
     #: this, the one due to be forgotten first is forgotten now (``transfer.forgotten_early``).
     max_ended_requests: int = 16384
+    #: Requests one peer may start here that no local executor has registered yet (its offers
+    #: and announcements waiting for our ranks): beyond, the peer's next one is refused with
+    #: ``limit_exceeded`` (``transfer.unclaimed_limit``), so a peer cannot grow our memory
+    #: without bound while its link lives.
+    max_unclaimed_per_peer: int = 4096
 
 
 class AccessConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

@@ -64,6 +64,7 @@ def check_limits(limits: LimitsConfig) -> None:
         "max_pending_peers",
         "max_ranks_per_request",
         "max_ended_requests",
+        "max_unclaimed_per_peer",
     ):
         value = getattr(limits, name)
         if value < 1:

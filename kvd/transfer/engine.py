@@ -34,6 +34,7 @@ import structlog
 import trio
 
 from kvd.config import usable_cpus
+from kvd.ops.throttle import Throttle
 from kvd.transfer.requests import Side, add_registration
 from kvd.transfer.timers import DueHeap
 from kvd.transfer.transfer import Env, Transfer
@@ -45,6 +46,7 @@ from protocol.errors import (
     BlocksInUse,
     DuplicateRequest,
     KvdError,
+    LimitExceeded,
     LocalProtocolError,
     NotFound,
     PermissionDenied,
@@ -62,6 +64,8 @@ if TYPE_CHECKING:
     from kvd.transport.setup import Staging, Transport
 
 log = structlog.get_logger("kvd.transfer")
+#: A peer at its unclaimed limit may send requests at will: one line, then a count.
+_throttle = Throttle(log)
 
 _ROLE = {f.Role.CTX: "ctx", f.Role.GEN: "gen"}
 # the roles and states registration tests, as module constants (an enum member fetched through
@@ -97,6 +101,10 @@ class Engine:
         # and local transfers need no notification, and a spinning poller is a task step in
         # every scheduler pass (and a core busy) for the whole life of every request
         self._nixl_live: set[Transfer] = set()
+        # per peer node: transfers its messages started that no local executor registered yet
+        # (bounded by [limits] max_unclaimed_per_peer; a local registration or the end claims one)
+        self._unclaimed: dict[str, set[Transfer]] = {}
+        self._unclaimed_by: dict[Transfer, str] = {}  # the node each one counts against
         # work a registration started that runs once the executor has its reply (run_after_reply)
         self._after_reply: list[Callable[[], None]] | None = None
         self._deferred: list[Callable[[], None]] = []
@@ -321,6 +329,7 @@ class Engine:
                 t.peer = self.node
                 self.transfers[t.key] = t
         t.sides[role] = side
+        self._claim(t)
         complete = side.complete
         if complete:
             side.complete_at = time.monotonic()
@@ -623,6 +632,7 @@ class Engine:
         d.update_pool_metrics({p.pool.name for p in side.parts.values()})
 
     def _on_finished(self, t: Transfer) -> None:
+        self._claim(t)
         self._live.discard(t)
         self._nixl_live.discard(t)
         self._running -= 1
@@ -671,9 +681,9 @@ class Engine:
                     t.peer = link.node
                     self.transfers[t.key] = t
                 else:
-                    t = self._start(rid, link.node, {f.Role.GEN})
+                    t = await self._start_unclaimed(link, rid, f.Role.GEN)
             elif isinstance(msg, x.XferAnnounce):
-                t = self._start(rid, link.node, {f.Role.CTX})
+                t = await self._start_unclaimed(link, rid, f.Role.CTX)
             elif isinstance(msg, x.XferFail) and msg.sender == "gen":
                 # gen waits for our word that no write of ours can land: none ever will
                 await self._refuse(link, rid, "ctx", NotFound(f"no request {rid!r} here"))
@@ -681,9 +691,39 @@ class Engine:
             else:
                 log.debug("transfer.unknown_request", peer=link.node, request_id=rid, type=type(msg).__name__)
                 return
+            if t is None:
+                return  # refused: the peer has too many requests here that nobody registered
         if not t.peer_instance:
             t.peer_instance = link.agent
         t.post(msg)
+
+    async def _start_unclaimed(self, link: PeerLink, rid: str, role: f.Role) -> Transfer | None:
+        """A transfer the peer's message starts before any local rank registered it (the
+        ``role`` side is ours); None, and the peer told ``limit_exceeded``, when that peer has
+        ``max_unclaimed_per_peer`` such transfers already."""
+        unclaimed = self._unclaimed.setdefault(link.node, set())
+        limit = self.daemon.config.limits.max_unclaimed_per_peer
+        if len(unclaimed) >= limit:
+            _throttle.warning("transfer.unclaimed_limit", peer=link.node, request_id=rid, limit=limit)
+            sender = "gen" if role is f.Role.GEN else "ctx"
+            await self._refuse(link, rid, sender, LimitExceeded(
+                f"request {rid!r}: {link.node} has {limit} requests here that no local rank has registered "
+                "([limits] max_unclaimed_per_peer)"))
+            return None
+        t = self._start(rid, link.node, {role})
+        unclaimed.add(t)
+        self._unclaimed_by[t] = link.node
+        return t
+
+    def _claim(self, t: Transfer) -> None:
+        """``t`` no longer counts against its peer's unclaimed limit (registered here, or ended)."""
+        node = self._unclaimed_by.pop(t, None)
+        if node is None:
+            return
+        unclaimed = self._unclaimed[node]
+        unclaimed.discard(t)
+        if not unclaimed:
+            del self._unclaimed[node]
 
     async def _refuse(self, link: PeerLink, rid: str, sender: str, exc: KvdError) -> None:
         await self._tell(link, x.XferFail(request_id=rid, code=exc.code, message=exc.message,
