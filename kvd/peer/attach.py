@@ -28,6 +28,9 @@ class _Session:
         self.sock.settimeout(timeout)
         self.frames = FrameBuffer(DEFAULT_MAX_FRAME_SIZE)
         self.ready: list[tuple[m.Message, list[int]]] = []
+        # fds ride on the first byte of their frame: those received with bytes that completed
+        # no frame yet belong to the next frame completed
+        self.pending_fds: list[int] = []
         self.next_id = 1
         try:
             self.sock.connect(path)
@@ -42,23 +45,40 @@ class _Session:
                 data, anc, _flags, _addr = self.sock.recvmsg(65536, _ANCILLARY)
                 fds = _fds(anc)
                 if not data:
-                    for fd in fds:
-                        os.close(fd)
+                    _close(fds)
                     raise ConnectionClosed("the peer daemon closed its socket")
-                for i, payload in enumerate(self.frames.feed(data)):
-                    self.ready.append((decode_reply(payload), fds if i == 0 else []))
+                self.pending_fds.extend(fds)
+                for payload in self.frames.feed(data):
+                    got, self.pending_fds = self.pending_fds, []
+                    try:
+                        self.ready.append((decode_reply(payload), got))
+                    except BaseException:
+                        _close(got)
+                        raise
         except OSError as exc:
             raise ConnectionClosed(f"peer socket: {exc}") from None
         reply, fds = self.ready.pop(0)
         if isinstance(reply, m.Error):
-            for fd in fds:
-                os.close(fd)
+            _close(fds)
             raise error_from_code(reply.code, reply.message)
         return reply, fds
+
+    def close(self) -> None:
+        """Close the socket and every received fd nobody took."""
+        _close(self.pending_fds)
+        for _reply, fds in self.ready:
+            _close(fds)
+        self.pending_fds, self.ready = [], []
+        self.sock.close()
 
     def id(self) -> int:
         self.next_id += 1
         return self.next_id
+
+
+def _close(fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)
 
 
 def _fds(anc: list[tuple[int, int, bytes]]) -> list[int]:
@@ -76,14 +96,14 @@ def attach_peer_pools(socket_path: str, names: list[str], me: str, timeout: floa
     s = _Session(socket_path, timeout)
     mapped: dict[str, MappedPool] = {}
     try:
-        welcome, _ = s.call(m.Hello(id=s.id(), version=m.PROTOCOL_VERSION, client=f"kvd-peer:{me}", pid=os.getpid()))
+        welcome, stray = s.call(m.Hello(id=s.id(), version=m.PROTOCOL_VERSION, client=f"kvd-peer:{me}", pid=os.getpid()))
+        _close(stray)  # a Welcome carries none: a peer's stray fds are not kept open
         if not isinstance(welcome, m.Welcome):
             raise ProtocolError(f"peer answered Hello with {type(welcome).__name__}")
         for name in names:
             reply, fds = s.call(m.AttachPool(id=s.id(), pool=name))
             if not isinstance(reply, m.Attached):
-                for fd in fds:
-                    os.close(fd)
+                _close(fds)
                 raise ProtocolError(f"peer answered AttachPool with {type(reply).__name__}")
             mapped[name] = map_pool(reply, fds)
     except BaseException:
@@ -91,5 +111,5 @@ def attach_peer_pools(socket_path: str, names: list[str], me: str, timeout: floa
             pool.close()
         raise
     finally:
-        s.sock.close()
+        s.close()
     return mapped
