@@ -28,10 +28,13 @@ def frame(payload: bytes, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE) -> bytes
 class FrameBuffer:
     """Accumulates received bytes and splits them into frames."""
 
-    def __init__(self, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE) -> None:
-        if max_frame_size < 1:
-            raise ValueError("max_frame_size must be positive")
+    def __init__(self, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE, first_frame_size: int | None = None) -> None:
+        """``first_frame_size``: a tighter bound for the first frame only (a handshake), checked
+        as soon as its length arrives; frames after it, in the same read too, have ``max_frame_size``."""
+        if max_frame_size < 1 or (first_frame_size is not None and first_frame_size < 1):
+            raise ValueError("frame sizes must be positive")
         self.max_frame_size = max_frame_size
+        self._first = first_frame_size  # None once the first frame is cut (or when not given)
         self._buf = bytearray()
         self._broken = False
 
@@ -51,19 +54,23 @@ class FrameBuffer:
         frames: list[bytes] = []
         size = len(view)
         pos = 0
+        first = self._first
+        limit = self.max_frame_size if first is None else first
         while size - pos >= _HEADER_SIZE:
             (length,) = _unpack_from(view, pos)
-            if length > self.max_frame_size:
+            if length > limit:
                 self._broken = True
                 buf.clear()
-                raise FrameTooLarge(
-                    f"frame length {length} exceeds the maximum frame size {self.max_frame_size}"
-                )
+                what = "first frame size" if first is not None else "frame size"
+                raise FrameTooLarge(f"frame length {length} exceeds the maximum {what} {limit}")
             end = pos + _HEADER_SIZE + length
             if end > size:
                 break
             frames.append(bytes(view[pos + _HEADER_SIZE : end]))
             pos = end
+            if first is not None:  # the first frame is cut: the usual bound from here on
+                first = self._first = None
+                limit = self.max_frame_size
         if view is buf:
             del buf[:pos]
         elif pos < size:

@@ -428,3 +428,17 @@ def test_protocol_sources_never_import_trio() -> None:
                     f"{path.name} imports {name}"
                 )
         assert "import trio" not in path.read_text()
+
+
+def test_the_first_frame_has_its_own_tighter_bound() -> None:
+    """``first_frame_size`` bounds the first frame only, as soon as its length arrives; the
+    frames after it, in the same read too, have ``max_frame_size``."""
+    buf = FrameBuffer(max_frame_size=1024, first_frame_size=16)
+    assert buf.feed(frame(b"x" * 16) + frame(b"y" * 1000)) == [b"x" * 16, b"y" * 1000]
+    assert buf.feed(frame(b"z" * 1024)) == [b"z" * 1024]
+    refused = FrameBuffer(max_frame_size=1024, first_frame_size=16)
+    with pytest.raises(FrameTooLarge, match="maximum first frame size 16"):
+        refused.feed(struct.pack(">I", 17))
+    assert refused.pending == 0
+    with pytest.raises(ValueError):
+        FrameBuffer(max_frame_size=1024, first_frame_size=0)

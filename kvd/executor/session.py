@@ -37,7 +37,7 @@ from protocol.errors import (
     ReplyTooLarge,
     VersionMismatch,
 )
-from protocol.framing import DEFAULT_MAX_FRAME_SIZE, HEADER, FrameBuffer
+from protocol.framing import DEFAULT_MAX_FRAME_SIZE, FrameBuffer
 from protocol.limits import MAX_HELLO_FRAME, MAX_NAME_LEN, clip_text
 
 if TYPE_CHECKING:
@@ -103,7 +103,9 @@ class SessionConnection:
         # a semaphore, not a trio.Lock: a wait's early reply (write_nowait) may take it in the
         # step of whoever reported the request and leave the rest to a task (kvd.executor.waits)
         self._send_lock = trio.Semaphore(1)
-        self._frames = FrameBuffer(daemon.config.limits.max_frame_size)
+        # the first frame (the Hello) may be at most MAX_HELLO_FRAME: a connection not through
+        # its handshake never makes the daemon buffer up to max_frame_size
+        self._frames = FrameBuffer(daemon.config.limits.max_frame_size, first_frame_size=MAX_HELLO_FRAME)
         self._reply_limit = min(max(daemon.config.limits.max_frame_size, REPLY_FLOOR), DEFAULT_MAX_FRAME_SIZE)
         # replies held by cork() until the reply it waits for (or flush()): a registration
         # sent with its wait gets both replies in one write (one syscall here, one wake-up of
@@ -301,25 +303,6 @@ class SessionConnection:
                     return
                 drained += len(data)
 
-    async def receive_first(self) -> list[bytes] | None:
-        """:meth:`receive_frames` for the connection's first frames: the first one (the Hello)
-        may be at most ``MAX_HELLO_FRAME`` bytes, checked as soon as its length arrived, so a
-        connection not through its handshake never makes the daemon buffer up to
-        ``max_frame_size``; frames after it, even in the same read, keep the usual limit."""
-        head = b""
-        while True:
-            data = await self.stream.receive_some(RECEIVE_SIZE)
-            if not data:
-                return None
-            if len(head) < HEADER.size:
-                head += data[: HEADER.size - len(head)]
-                if len(head) == HEADER.size and (length := HEADER.unpack(head)[0]) > MAX_HELLO_FRAME:
-                    raise FrameTooLarge(f"first frame length {length} exceeds the maximum of {MAX_HELLO_FRAME} "
-                                        "bytes before Hello")
-            frames = self._frames.feed(data)
-            if frames:
-                return frames
-
     async def receive_frames(self) -> list[bytes] | None:
         """Next batch of whole frames; ``None`` at EOF. Raises FrameTooLarge."""
         while True:
@@ -437,7 +420,7 @@ async def _handshake(daemon: Daemon, conn: SessionConnection) -> tuple[m.Hello, 
     frames: list[bytes] | None = None
     with trio.move_on_after(timeout):
         try:
-            frames = await conn.receive_first()
+            frames = await conn.receive_frames()
         except FrameTooLarge as exc:
             _throttle.warning("session.frame_too_large", reason=exc.message)
             await conn.refuse(0, exc)
