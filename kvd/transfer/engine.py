@@ -103,8 +103,8 @@ class Engine:
         self._nixl_live: set[Transfer] = set()
         # per peer node: transfers its messages started that no local executor registered yet
         # (bounded by [limits] max_unclaimed_per_peer; a local registration or the end claims one)
-        self._unclaimed: dict[str, set[Transfer]] = {}
-        self._unclaimed_by: dict[Transfer, str] = {}  # the node each one counts against
+        self._unclaimed: dict[Transfer, str] = {}  # transfer -> the node it counts against
+        self._unclaimed_count: dict[str, int] = {}
         # work a registration started that runs once the executor has its reply (run_after_reply)
         self._after_reply: list[Callable[[], None]] | None = None
         self._deferred: list[Callable[[], None]] = []
@@ -701,9 +701,9 @@ class Engine:
         """A transfer the peer's message starts before any local rank registered it (the
         ``role`` side is ours); None, and the peer told ``limit_exceeded``, when that peer has
         ``max_unclaimed_per_peer`` such transfers already."""
-        unclaimed = self._unclaimed.setdefault(link.node, set())
+        count = self._unclaimed_count.get(link.node, 0)
         limit = self.daemon.config.limits.max_unclaimed_per_peer
-        if len(unclaimed) >= limit:
+        if count >= limit:
             _throttle.warning("transfer.unclaimed_limit", peer=link.node, request_id=rid, limit=limit)
             sender = "gen" if role is f.Role.GEN else "ctx"
             await self._refuse(link, rid, sender, LimitExceeded(
@@ -711,19 +711,20 @@ class Engine:
                 "([limits] max_unclaimed_per_peer)"))
             return None
         t = self._start(rid, link.node, {role})
-        unclaimed.add(t)
-        self._unclaimed_by[t] = link.node
+        self._unclaimed[t] = link.node
+        self._unclaimed_count[link.node] = count + 1
         return t
 
     def _claim(self, t: Transfer) -> None:
         """``t`` no longer counts against its peer's unclaimed limit (registered here, or ended)."""
-        node = self._unclaimed_by.pop(t, None)
+        node = self._unclaimed.pop(t, None)
         if node is None:
             return
-        unclaimed = self._unclaimed[node]
-        unclaimed.discard(t)
-        if not unclaimed:
-            del self._unclaimed[node]
+        left = self._unclaimed_count[node] - 1
+        if left:
+            self._unclaimed_count[node] = left
+        else:
+            del self._unclaimed_count[node]
 
     async def _refuse(self, link: PeerLink, rid: str, sender: str, exc: KvdError) -> None:
         await self._tell(link, x.XferFail(request_id=rid, code=exc.code, message=exc.message,
