@@ -128,11 +128,7 @@ async def test_ctx_writes_per_fragment_to_a_gen_that_names_no_chunk_layout(
 
 async def test_gen_refuses_a_ctx_that_bounces_without_a_chunk_size(daemon_factory: Factory, short_tmp: Path) -> None:
     secret = write_secret(short_tmp)
-    d = daemon_factory({"pools": [host_pool("gen0", tp_size=2, rank=0, num_blocks=BLOCKS),
-                                  host_pool("gen1", tp_size=2, rank=1, num_blocks=BLOCKS)],
-                        "peer_secret_file": secret,
-                        "transfer": {"bounce_size_mb": 4, "chunk_mb": 1, "mapped": False,
-                                     "heartbeat_timeout_s": 600.0}}, name="gen")
+    d = gen_daemon(daemon_factory, secret)
     ctx = OlderPeer(d, Path(secret).read_bytes(), "oldctx", CTX)
     try:
         async with open_client(d.socket_path) as g0, open_client(d.socket_path) as g1:
@@ -155,6 +151,16 @@ async def test_gen_refuses_a_ctx_that_bounces_without_a_chunk_size(daemon_factor
             assert st.bounce_chunks_in_use == 0
     finally:
         ctx.close()
+
+
+def gen_daemon(daemon_factory: Factory, secret: str, **config: object) -> DaemonProcess:
+    """A gen daemon of two TP ranks (pools gen0, gen1) with the bounce path on, for a raw peer
+    to talk to; ``config``: more top-level configuration (``limits=...``)."""
+    return daemon_factory({"pools": [host_pool("gen0", tp_size=2, rank=0, num_blocks=BLOCKS),
+                                     host_pool("gen1", tp_size=2, rank=1, num_blocks=BLOCKS)],
+                           "peer_secret_file": secret,
+                           "transfer": {"bounce_size_mb": 4, "chunk_mb": 1, "mapped": False,
+                                        "heartbeat_timeout_s": 600.0}, **config}, name="gen")
 
 
 def test_older_messages_decode_with_the_new_fields_defaulted() -> None:

@@ -16,9 +16,8 @@ import trio
 from clients import open_client
 from kvd.demo.launch import DaemonProcess
 from protocol import transfer as x
-from tests.conftest import host_pool
 from tests.hostile import events
-from tests.test_bounce_older_peer import BLOCKS, CTX, GEN, OlderPeer
+from tests.test_bounce_older_peer import CTX, GEN, OlderPeer, gen_daemon
 from tests.transfer_harness import wait_for_peer, write_secret
 
 Factory = Callable[..., DaemonProcess]
@@ -27,12 +26,7 @@ LIMIT = 3
 
 async def test_offers_nobody_registered_are_bounded_per_peer(daemon_factory: Factory, short_tmp: Path) -> None:
     secret = write_secret(short_tmp)
-    d = daemon_factory({"pools": [host_pool("gen0", tp_size=2, rank=0, num_blocks=BLOCKS),
-                                  host_pool("gen1", tp_size=2, rank=1, num_blocks=BLOCKS)],
-                        "peer_secret_file": secret,
-                        "limits": {"max_unclaimed_per_peer": LIMIT},
-                        "transfer": {"bounce_size_mb": 4, "chunk_mb": 1, "mapped": False,
-                                     "heartbeat_timeout_s": 600.0}}, name="gen")
+    d = gen_daemon(daemon_factory, secret, limits={"max_unclaimed_per_peer": LIMIT})
     ctx = OlderPeer(d, Path(secret).read_bytes(), "flooder", CTX)
     try:
         async with open_client(d.socket_path) as g0, open_client(d.socket_path) as g1:
