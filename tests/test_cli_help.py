@@ -28,6 +28,7 @@ import kvd.bench.regroup
 import kvd.bench.timeline
 import kvd.bench.transfer
 import kvd.bench.transfer_gpu
+import kvd.bench.ucx_reconnect
 import kvd.cli
 import kvd.demo.connector
 import kvd.demo.model.cli
@@ -52,6 +53,7 @@ PARSERS: dict[str, Callable[[], argparse.ArgumentParser]] = {
     "python -m kvd.bench.launch_cost": kvd.bench.launch_cost.build_parser,
     "python -m kvd.bench.timeline": kvd.bench.timeline.build_parser,
     "python -m kvd.bench.ipc_events": kvd.bench.ipc_events.build_parser,
+    "python -m kvd.bench.ucx_reconnect": kvd.bench.ucx_reconnect.build_parser,
     "kvctl": clients.kvctl.build_parser,
     "python -m kvd.demo.connector": kvd.demo.connector.build_parser,
 }
@@ -59,7 +61,8 @@ PARSERS: dict[str, Callable[[], argparse.ArgumentParser]] = {
 MODULES = {"kvd/cli.py", "kvd/demo/pair.py", "kvd/demo/model/cli.py", "kvd/bench/ipc.py", "kvd/bench/regroup.py",
            "kvd/bench/transfer.py", "kvd/bench/transfer_gpu.py", "kvd/bench/layouts.py", "kvd/bench/rawnixl.py", "clients/kvctl.py",
            "kvd/bench/copy_engines.py", "kvd/bench/bounce_host.py", "kvd/demo/connector.py",
-           "kvd/bench/latency_ab.py", "kvd/bench/timeline.py", "kvd/bench/launch_cost.py", "kvd/bench/ipc_events.py"}
+           "kvd/bench/latency_ab.py", "kvd/bench/timeline.py", "kvd/bench/launch_cost.py", "kvd/bench/ipc_events.py",
+           "kvd/bench/ucx_reconnect.py"}
 #: reStructuredText that means nothing on a terminal
 RST = re.compile(r"``|:(?:class|func|mod|meth|data|attr):`")
 
