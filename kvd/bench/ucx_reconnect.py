@@ -92,7 +92,12 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m kvd.bench.ucx_reconnect", description=(__doc__ or "").split("\n\n")[0]
     )
     p.add_argument("--cycles", type=int, default=5, help="remove/reload cycles (default 5)")
-    p.add_argument("--side", choices=["a", "b", "both"], default="both", help="which agent reloads the other")
+    p.add_argument(
+        "--side",
+        choices=["a", "b", "both"],
+        default="both",
+        help="which agent reloads the other (default both)",
+    )
     return p
 
 
