@@ -41,3 +41,13 @@ def test_no_cycles_is_refused() -> None:
     result = _run("--cycles", "0")
     assert result.returncode == 2
     assert "--cycles must be at least 1" in result.stderr
+
+
+def test_reloading_a_live_peer_without_removing_it_adds_no_connections() -> None:
+    """What a kvd-side mitigation would rest on (docs/security.md): loading a live peer's agent
+    again without removing it first leaves no connection behind, cycle after cycle."""
+    result = _run("--cycles", "3", "--no-remove")
+    assert result.returncode == 0, result.stderr
+    afters = [_counts(line) for line in result.stdout.splitlines() if line.startswith("cycle")]
+    assert len(afters) == 3
+    assert afters[-1].get("tcp_established", 0) <= afters[0].get("tcp_established", 0)

@@ -3,14 +3,15 @@
 ``python -m kvd.bench.ucx_reconnect [--cycles N] [--side a|b|both]``: this process (agent A)
 and a second one (agent B) load each other's metadata, exchange one notification each way (so
 UCX connects), then forget each other (``remove_remote``) and progress both workers for a while,
-``--cycles`` times; ``--side`` says which of the two forgets and reloads the other each cycle.
+``--cycles`` times; ``--side`` says which of the two forgets and reloads the other each cycle;
+``--no-remove`` reloads (``add_remote`` again) without forgetting first.
 Prints A's sockets by TCP state after every cycle and once more after B has exited.
 
 This is the pattern of a peer link that goes down and comes back between two live daemons
 (:mod:`kvd.peer.links` removes the peer's agent when its link ends). Measured with nixl-cu13
 1.5.1 on loopback: every cycle leaves one more ESTABLISHED connection in A, whichever side
 reloads, until B's process exits; when B exits instead of reconnecting nothing is left once
-A's worker has progressed. See ``docs/security.md`` ("UCX connections across peer link
+A's worker has progressed. Reloading without removing leaves nothing either. See ``docs/security.md`` ("UCX connections across peer link
 reconnects").
 """
 
@@ -65,7 +66,7 @@ def _wait_notification(agent: NixlAgent) -> None:
         time.sleep(0.001)
 
 
-def _peer(conn: Connection, reloads: bool) -> None:
+def _peer(conn: Connection, reloads: bool, removes: bool) -> None:
     ensure_loopback_ucx()
     agent = NixlAgent("B")
     conn.send(agent.metadata())
@@ -77,7 +78,7 @@ def _peer(conn: Connection, reloads: bool) -> None:
         elif cmd == "echo":
             _wait_notification(agent)
             agent.send_notif(name, b"back")
-        elif cmd == "remove" and reloads:
+        elif cmd == "remove" and reloads and removes:
             agent.remove_remote(name)
         elif cmd == "progress":
             _progress(agent)
@@ -98,6 +99,11 @@ def build_parser() -> argparse.ArgumentParser:
         default="both",
         help="which agent reloads the other (default both)",
     )
+    p.add_argument(
+        "--no-remove",
+        action="store_true",
+        help="reload without removing first (default: remove, then reload)",
+    )
     return p
 
 
@@ -111,7 +117,7 @@ def main(argv: list[str] | None = None) -> None:
     agent = NixlAgent("A")
     ctx = mp.get_context("spawn")
     conn, child_conn = ctx.Pipe()
-    proc = ctx.Process(target=_peer, args=(child_conn, args.side in ("b", "both")))
+    proc = ctx.Process(target=_peer, args=(child_conn, args.side in ("b", "both"), not args.no_remove))
     proc.start()
 
     def ask(cmd: str) -> None:
@@ -134,14 +140,14 @@ def main(argv: list[str] | None = None) -> None:
             if conn.recv() != "ok":
                 raise SystemExit("error: peer did not echo")
             connected = socket_counts()
-            if args.side in ("a", "both"):
+            if args.side in ("a", "both") and not args.no_remove:
                 agent.remove_remote(name)
             ask("remove")
             conn.send("progress")
             _progress(agent)
             if conn.recv() != "ok":
                 raise SystemExit("error: peer did not progress")
-            print(f"cycle {cycle + 1}: connected {connected} -> after removal {socket_counts()}")
+            print(f"cycle {cycle + 1}: connected {connected} -> after {socket_counts()}")
         ask("quit")
         proc.join()
         _progress(agent)
