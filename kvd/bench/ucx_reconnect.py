@@ -7,8 +7,9 @@ UCX connects), then forget each other (``remove_remote``) and progress both work
 ``--no-remove`` reloads (``add_remote`` again) without forgetting first.
 Prints A's sockets by TCP state after every cycle and once more after B has exited.
 
-This is the pattern of a peer link that goes down and comes back between two live daemons
-(:mod:`kvd.peer.links` removes the peer's agent when its link ends). Measured with nixl-cu13
+This was the pattern of a peer link that goes down and comes back between two live daemons,
+until kvd kept a peer's agent loaded across its link's flaps (:mod:`kvd.peer.kept_agents`,
+which relies on the ``--no-remove`` case below). Measured with nixl-cu13
 1.5.1 on loopback: every cycle leaves one more ESTABLISHED connection in A, whichever side
 reloads, until B's process exits; when B exits instead of reconnecting nothing is left once
 A's worker has progressed. Reloading without removing leaves nothing either. See ``docs/security.md`` ("UCX connections across peer link
@@ -29,17 +30,18 @@ from kvd.transport.nixl_agent import NixlAgent, ensure_loopback_ucx
 _TCP_STATES = {"01": "established", "06": "time_wait", "08": "close_wait", "0A": "listen"}
 
 
-def socket_counts() -> dict[str, int]:
-    """This process's open fds: TCP sockets by state, other sockets, everything else."""
+def socket_counts(pid: int | str = "self") -> dict[str, int]:
+    """A process's open fds (this one's by default): TCP sockets by state, other sockets,
+    everything else."""
     targets = []
-    for fd in os.listdir("/proc/self/fd"):
+    for fd in os.listdir(f"/proc/{pid}/fd"):
         try:
-            targets.append(os.readlink(f"/proc/self/fd/{fd}"))
+            targets.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
         except OSError:
             continue  # the fd listdir itself used, closed by now
     sockets = {t[len("socket:[") : -1] for t in targets if t.startswith("socket:[")}
     counts: collections.Counter[str] = collections.Counter()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+    for table in (f"/proc/{pid}/net/tcp", f"/proc/{pid}/net/tcp6"):
         with open(table) as f:
             for line in f.readlines()[1:]:
                 fields = line.split()

@@ -28,6 +28,7 @@ from kvd.ops.accept import accept_loop
 from kvd.ops.throttle import Throttle
 from kvd.peer import accept_peer, connect_with_backoff, load_secret, open_peer, run_heartbeats
 from kvd.peer.attach import attach_peer_pools
+from kvd.peer.kept_agents import Forget, KeptAgents
 from kvd.peer.retry import Backoff
 from kvd.startup import bind_failed
 from protocol import transfer as x
@@ -181,6 +182,8 @@ class PeerLinks:
         #: per peer: the cancel scope of our dialler's TCP connect or backoff sleep, cancelled
         #: when a link the peer dialled comes up (we stop dialling while it is up)
         self._dialing: dict[str, trio.CancelScope] = {}
+        #: peers' NIXL agents left loaded while their link is down (see kvd.peer.kept_agents)
+        self.kept_agents = KeptAgents()
 
     def get(self, node: str) -> PeerLink:
         link = self.links.get(node)
@@ -425,10 +428,14 @@ class PeerLinks:
                 old.superseded = DUPLICATE_LINK if duplicate else "replaced by a new link"
                 await old.conn.aclose(old.superseded)
                 await old.closed.wait()
+            kept, forget = self.kept_agents.link_up(node, welcome.nixl_agent)
+            self._forget(forget)
             try:
                 agent = await trio.to_thread.run_sync(nixl.add_remote, welcome.nixl_metadata)
                 link = PeerLink(node, conn, welcome, agent, dialled_by)
             except KvdError as exc:
+                if kept:  # still loaded from the link before: keep it as it was
+                    self._forget(self.kept_agents.link_down(node, welcome.nixl_agent))
                 log.warning("peer.rejected", node=node, error=str(exc))
                 await conn.aclose(str(exc))
                 return
@@ -447,7 +454,8 @@ class PeerLinks:
         self.lost.pop(node, None)
         self._changed.set()
         self._changed = trio.Event()
-        log.info("peer.connected", node=node, remote=conn.remote_addr, nixl_agent=agent, dialled_by=dialled_by)
+        log.info("peer.connected", node=node, remote=conn.remote_addr, nixl_agent=agent, dialled_by=dialled_by,
+                 nixl_agent_kept=kept)
         if dialled_by == node and self._yields_to(node):  # the kept link: we stop dialling
             dialing = self._dialing.get(node)
             if dialing is not None:
@@ -488,12 +496,22 @@ class PeerLinks:
                 level = log.info if DUPLICATE_LINK in reason else log.warning
                 level("peer.disconnected", node=node, reason=clip_text(reason))
                 self._link_lost(node, reason)
+                # the peer may live on and link again: keep its agent loaded (forgetting and
+                # reloading a live agent leaks a UCX connection), release what was prepared for it
                 with contextlib.suppress(KvdError):
-                    nixl.remove_remote(agent)
+                    nixl.release_prepared(agent)
+                self._forget(self.kept_agents.link_down(node, agent))
                 await conn.aclose()
                 for pool in link.mapped.values():
                     pool.close()
                 link.closed.set()
+
+    def _forget(self, forget: list[Forget]) -> None:
+        """Forget the kept agents :class:`KeptAgents` gave up (their peers are gone)."""
+        for f in forget:
+            with contextlib.suppress(KvdError):
+                self.transport.agent.remove_remote(f.agent)
+            log.info("peer.agent_forgotten", node=f.node, nixl_agent=f.agent, reason=f.reason)
 
     async def _heartbeats(self, conn: PeerConnection, reasons: list[str]) -> None:
         """Beat until the peer falls silent; then close the link (the receive loop ends)."""

@@ -452,12 +452,18 @@ class NixlAgent:
         self._remotes.add(name)
         return name
 
-    def remove_remote(self, name: str) -> None:
-        """Forget a remote agent (disconnects from it) and release the descriptor lists
-        :meth:`slot_descs` prepared for it and the write handles :meth:`write_slot_async`
-        kept for it. Unknown names are ignored."""
+    def release_prepared(self, name: str) -> None:
+        """Release the descriptor lists :meth:`slot_descs` prepared for remote agent ``name``
+        and the write handles :meth:`write_slot_async` kept for it, keeping its metadata
+        loaded (a link that went away while the peer may live on: :mod:`kvd.peer.kept_agents`
+        says why). Unknown names are ignored."""
         self._release_slot_writes(name)
         self._release_slot_descs(name)
+
+    def remove_remote(self, name: str) -> None:
+        """Forget a remote agent (disconnects from it) after :meth:`release_prepared`.
+        Unknown names are ignored."""
+        self.release_prepared(name)
         if name not in self._remotes:
             return
         self._remotes.discard(name)

@@ -1,0 +1,160 @@
+"""A peer link that drops and comes back between two live daemons leaks nothing, and a peer
+that restarts behind the same name is told apart from one that only lost its link.
+
+The link runs through a TCP proxy in the test process, so the test can cut it at will: both
+daemons see the connection end at once, the ctx daemon dials again. Every cycle waits for the
+log lines of the link going down and coming back on both sides (no sleeps), then runs a real
+regrouped transfer over NIXL (the bounce path: writes one way, credit notifications the other)
+and counts each daemon's established TCP connections. NIXL/UCX leaves one connection behind
+for every remote agent that is forgotten and loaded again while its process lives
+(``docs/security.md``), so the daemons keep a peer's agent loaded across a link flap: the
+counts must stay flat. When the peer restarts, its old agent is forgotten (the instance it
+names is gone) and the new one is loaded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from kvd.bench.ucx_reconnect import socket_counts
+from kvd.demo.launch import DaemonProcess
+from protocol.layout import KVLayout
+from tests.transfer_harness import Pair, assert_exact, pools_for, run_transfer, write_secret
+
+Factory = Callable[..., DaemonProcess]
+GEO: dict[str, Any] = {"num_layers": 4, "num_kv_heads": 8, "head_dim": 64, "tokens_per_block": 16,
+                       "dtype": "bfloat16"}
+CTX = KVLayout(**GEO)
+GEN = KVLayout(**GEO, tp_size=2)  # a regroup: chunks through the bounce slots, credits back by notification
+TRANSFER = {"bounce_size_mb": 4, "chunk_mb": 1, "deadline_s": 30.0, "mapped": False,
+            "reconnect_initial_s": 0.05, "reconnect_max_s": 0.2}
+CYCLES = 3
+
+
+class Proxy:
+    """A TCP relay on 127.0.0.1 to ``target``'s port; :meth:`cut` ends every relayed connection."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.port = 0
+        self._live: set[trio.CancelScope] = set()
+
+    async def serve(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
+        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+        self.port = listeners[0].socket.getsockname()[1]
+        task_status.started(self.port)
+        await trio.serve_listeners(self._relay, listeners)
+
+    async def _relay(self, inbound: trio.SocketStream) -> None:
+        with trio.CancelScope() as scope:
+            self._live.add(scope)
+            try:
+                outbound = await trio.open_tcp_stream("127.0.0.1", self.target_port)
+                async with inbound, outbound, trio.open_nursery() as n:
+                    n.start_soon(self._pump, inbound, outbound, n.cancel_scope)
+                    n.start_soon(self._pump, outbound, inbound, n.cancel_scope)
+            except OSError:
+                pass  # the target is down (a restarting daemon): the dialler tries again
+            finally:
+                self._live.discard(scope)
+
+    @staticmethod
+    async def _pump(src: trio.SocketStream, dst: trio.SocketStream, done: trio.CancelScope) -> None:
+        try:
+            while data := await src.receive_some(65536):
+                await dst.send_all(data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+        done.cancel()  # one direction ended: end the other (the daemons see the link close)
+
+    def cut(self) -> int:
+        """End every connection relayed now; how many there were."""
+        live = list(self._live)
+        for scope in live:
+            scope.cancel()
+        return len(live)
+
+
+async def _logged(d: DaemonProcess, event: str, count: int, **fields: object) -> list[dict[str, Any]]:
+    return await trio.to_thread.run_sync(partial(d.logged, event, count, 30.0, **fields))
+
+
+def _established(d: DaemonProcess) -> int:
+    return socket_counts(d.pid).get("tcp_established", 0)
+
+
+async def _transfer(pair: Pair, rid: str) -> None:
+    out = await run_transfer(pair, CTX, GEN, request_id=rid, blocks=4)
+    assert_exact(out, GEN)
+    assert {c.path for c in out.gen.values()} == {"bounce"}
+
+
+def _start_ctx(factory: Factory, workdir: Path, proxy_port: int) -> DaemonProcess:
+    secret = str(workdir / "peer.secret")
+    return factory({"pools": pools_for("ctx", CTX, 16), "peer_secret_file": secret, "transfer": TRANSFER,
+                    "peers": [{"name": "gen", "host": "127.0.0.1", "port": proxy_port}]}, name="ctx")
+
+
+def _start_gen(factory: Factory, workdir: Path) -> DaemonProcess:
+    secret = str(workdir / "peer.secret")
+    return factory({"pools": pools_for("gen", GEN, 16), "peer_secret_file": secret, "transfer": TRANSFER},
+                   name="gen")
+
+
+async def test_link_flaps_between_live_daemons_leave_no_connections_behind(
+        daemon_factory: Factory, short_tmp: Path) -> None:
+    write_secret(short_tmp)
+    gen = _start_gen(daemon_factory, short_tmp)
+    proxy = Proxy(gen.peer_port)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(proxy.serve)
+        ctx = _start_ctx(daemon_factory, short_tmp, proxy.port)
+        pair = Pair(ctx, gen)
+        (first,) = await _logged(ctx, "peer.connected", 1, node="gen", dialled_by="ctx")
+        await _transfer(pair, "flap-0")
+        counts = [(_established(ctx), _established(gen))]
+        for cycle in range(1, CYCLES + 1):
+            assert proxy.cut() == 1
+            for d, peer in ((ctx, "gen"), (gen, "ctx")):
+                await _logged(d, "peer.disconnected", cycle, node=peer)
+                await _logged(d, "peer.connected", cycle + 1, node=peer, dialled_by="ctx")  # link ready
+            await _transfer(pair, f"flap-{cycle}")
+            counts.append((_established(ctx), _established(gen)))
+        nursery.cancel_scope.cancel()
+    assert counts == [counts[0]] * (CYCLES + 1), f"established TCP connections (ctx, gen) per cycle: {counts}"
+    # the same peer instance came back every time: its agent was reloaded, never forgotten
+    again = await _logged(ctx, "peer.connected", CYCLES + 1, node="gen", dialled_by="ctx")
+    assert {r["nixl_agent"] for r in again} == {first["nixl_agent"]}
+    assert [r.get("nixl_agent_kept", False) for r in again] == [False] + [True] * CYCLES
+    for d in (ctx, gen):
+        assert "peer.agent_forgotten" not in d.log()
+
+
+async def test_a_restarted_peer_replaces_the_kept_agent(daemon_factory: Factory, short_tmp: Path) -> None:
+    write_secret(short_tmp)
+    gen = _start_gen(daemon_factory, short_tmp)
+    proxy = Proxy(gen.peer_port)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(proxy.serve)
+        ctx = _start_ctx(daemon_factory, short_tmp, proxy.port)
+        (first,) = await _logged(ctx, "peer.connected", 1, node="gen", dialled_by="ctx")
+        await _transfer(Pair(ctx, gen), "before")
+        base = _established(ctx)
+        await trio.to_thread.run_sync(gen.stop)
+        await _logged(ctx, "peer.disconnected", 1, node="gen")
+        gen2 = _start_gen(daemon_factory, short_tmp)
+        proxy.target_port = gen2.peer_port
+        (_, second) = await _logged(ctx, "peer.connected", 2, node="gen", dialled_by="ctx")
+        assert second["nixl_agent"] != first["nixl_agent"]
+        assert not second.get("nixl_agent_kept", False)
+        (forgotten,) = await _logged(ctx, "peer.agent_forgotten", 1, node="gen")
+        assert forgotten["nixl_agent"] == first["nixl_agent"]
+        assert forgotten["reason"] == "a new instance of the peer"
+        await _transfer(Pair(ctx, gen2), "after")
+        assert _established(ctx) == base
+        nursery.cancel_scope.cancel()
