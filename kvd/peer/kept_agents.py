@@ -60,6 +60,10 @@ class KeptAgents:
         """The agent kept for ``node``, if any."""
         return self._kept.get(node)
 
+    def agents(self) -> set[str]:
+        """The names of every kept agent."""
+        return set(self._kept.values())
+
     def link_down(self, node: str, agent: str) -> list[Forget]:
         """``node``'s link (to ``agent``) ended: keep its agent. Returns what to forget now."""
         out: list[Forget] = []

@@ -432,6 +432,10 @@ class PeerLinks:
             self._forget(forget)
             try:
                 agent = await trio.to_thread.run_sync(nixl.add_remote, welcome.nixl_metadata)
+                if agent != welcome.nixl_agent:
+                    self._unload_stray(agent)
+                    raise BadRequest(f"peer {node!r} named NIXL agent {welcome.nixl_agent!r} in its welcome, but its "
+                                     f"metadata is agent {agent!r}: its link and its notifications would not match")
                 link = PeerLink(node, conn, welcome, agent, dialled_by)
             except KvdError as exc:
                 if kept:  # still loaded from the link before: keep it as it was
@@ -505,6 +509,15 @@ class PeerLinks:
                 for pool in link.mapped.values():
                     pool.close()
                 link.closed.set()
+
+    def _unload_stray(self, agent: str) -> None:
+        """Forget ``agent``, just loaded for a link that is refused, unless a live link or a
+        kept one uses that name (loading it again changed nothing for them)."""
+        in_use = {link.agent for link in self.links.values()}
+        if agent in in_use or agent in self.kept_agents.agents():
+            return
+        with contextlib.suppress(KvdError):
+            self.transport.agent.remove_remote(agent)
 
     def _forget(self, forget: list[Forget]) -> None:
         """Forget the kept agents :class:`KeptAgents` gave up (their peers are gone)."""
