@@ -24,6 +24,7 @@ import trio
 from kvd.bench.ucx_reconnect import socket_counts
 from kvd.demo.launch import DaemonProcess
 from protocol.layout import KVLayout
+from tests.tcp_proxy import Proxy
 from tests.transfer_harness import Pair, assert_exact, pools_for, run_transfer, write_secret
 
 Factory = Callable[..., DaemonProcess]
@@ -34,50 +35,6 @@ GEN = KVLayout(**GEO, tp_size=2)  # a regroup: chunks through the bounce slots, 
 TRANSFER = {"bounce_size_mb": 4, "chunk_mb": 1, "deadline_s": 30.0, "mapped": False,
             "reconnect_initial_s": 0.05, "reconnect_max_s": 0.2}
 CYCLES = 3
-
-
-class Proxy:
-    """A TCP relay on 127.0.0.1 to ``target``'s port; :meth:`cut` ends every relayed connection."""
-
-    def __init__(self, target_port: int) -> None:
-        self.target_port = target_port
-        self.port = 0
-        self._live: set[trio.CancelScope] = set()
-
-    async def serve(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
-        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
-        self.port = listeners[0].socket.getsockname()[1]
-        task_status.started(self.port)
-        await trio.serve_listeners(self._relay, listeners)
-
-    async def _relay(self, inbound: trio.SocketStream) -> None:
-        with trio.CancelScope() as scope:
-            self._live.add(scope)
-            try:
-                outbound = await trio.open_tcp_stream("127.0.0.1", self.target_port)
-                async with inbound, outbound, trio.open_nursery() as n:
-                    n.start_soon(self._pump, inbound, outbound, n.cancel_scope)
-                    n.start_soon(self._pump, outbound, inbound, n.cancel_scope)
-            except OSError:
-                pass  # the target is down (a restarting daemon): the dialler tries again
-            finally:
-                self._live.discard(scope)
-
-    @staticmethod
-    async def _pump(src: trio.SocketStream, dst: trio.SocketStream, done: trio.CancelScope) -> None:
-        try:
-            while data := await src.receive_some(65536):
-                await dst.send_all(data)
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            pass
-        done.cancel()  # one direction ended: end the other (the daemons see the link close)
-
-    def cut(self) -> int:
-        """End every connection relayed now; how many there were."""
-        live = list(self._live)
-        for scope in live:
-            scope.cancel()
-        return len(live)
 
 
 async def _logged(d: DaemonProcess, event: str, count: int, **fields: object) -> list[dict[str, Any]]:

@@ -105,6 +105,13 @@ def _first_kvd_error(exc: BaseException) -> KvdError | None:
     return None
 
 
+def _only_cancelled(exc: BaseException) -> bool:
+    """Whether ``exc`` is a group of nothing but :class:`TransferCancelled` (however nested)."""
+    if isinstance(exc, BaseExceptionGroup):
+        return all(_only_cancelled(inner) for inner in exc.exceptions)
+    return isinstance(exc, TransferCancelled)
+
+
 @dataclass
 class Env:
     """What a transfer needs from its daemon, handed in (a transfer never reaches for more)."""
@@ -185,8 +192,11 @@ class _Progress:
             self.side.chunks_total = chunks
 
     def check(self) -> None:
-        if self.t.machine.state(self.role) is f.State.ABORTING:
-            raise TransferCancelled(f"request {self.t.request_id!r}: aborted, no new write")
+        """Refuse a new write once the side failed (aborting, or already ended: a data task
+        can still run a step after its side reported, until its cancellation is delivered)."""
+        state = self.t.machine.state(self.role)
+        if state is f.State.ABORTING or state in f.FINAL:
+            raise TransferCancelled(f"request {self.t.request_id!r}: {state.value}, no new write")
 
     def ended(self, n: int = 1) -> None:
         self.t.feed(f.WriteEnded(self.role, n))
@@ -919,6 +929,8 @@ class Transfer:
     def _fail_task(self, role: f.Role, exc: BaseException) -> None:
         """A data-path task of ``role`` raised ``exc``: the machine hears of it (once)."""
         if self.machine.finished:  # nothing left to fail: say it happened, the request is settled
+            if _only_cancelled(exc):
+                return  # a data task stopped by _Progress.check after its side ended: as intended
             log.warning("transfer.task_failed_after_end", role=role.value, error=f"{type(exc).__name__}: {exc}")
             return
         kvd_exc = _first_kvd_error(exc)
