@@ -4,6 +4,8 @@ A daemon dials the proxy's port instead of its peer's; :meth:`Proxy.cut` ends ev
 connection at once (both daemons see their link close, the dialler dials again), and
 :meth:`Proxy.hold` keeps the link down until :meth:`Proxy.release`: connections made meanwhile
 are closed as soon as they are accepted (the dialler's handshake fails and it retries).
+:meth:`Proxy.stall` makes the relay drop what it reads instead of passing it on, as a network
+that fails silently would, until the link is cut: what was sent then never arrives.
 """
 
 from __future__ import annotations
@@ -19,6 +21,10 @@ class Proxy:
         self.port = 0
         self._live: set[trio.CancelScope] = set()
         self._held = False
+        self._stalled = False
+        #: bytes read and dropped while stalled
+        self.dropped = bytearray()
+        self._dropping = trio.Event()  # set (and replaced) whenever bytes are dropped
 
     async def serve(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
         listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
@@ -42,17 +48,22 @@ class Proxy:
             finally:
                 self._live.discard(scope)
 
-    @staticmethod
-    async def _pump(src: trio.SocketStream, dst: trio.SocketStream, done: trio.CancelScope) -> None:
+    async def _pump(self, src: trio.SocketStream, dst: trio.SocketStream, done: trio.CancelScope) -> None:
         try:
             while data := await src.receive_some(65536):
+                if self._stalled:
+                    self.dropped += data
+                    self._dropping.set()
+                    self._dropping = trio.Event()
+                    continue
                 await dst.send_all(data)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass
         done.cancel()  # one direction ended: end the other (the daemons see the link close)
 
     def cut(self) -> int:
-        """End every connection relayed now; how many there were."""
+        """End every connection relayed now (and a stall); how many there were."""
+        self._stalled = False
         live = list(self._live)
         for scope in live:
             scope.cancel()
@@ -65,3 +76,12 @@ class Proxy:
     def release(self) -> None:
         """Relay new connections again (the dialler's next attempt links)."""
         self._held = False
+
+    def stall(self) -> None:
+        """Drop everything read from now on, both ways, until :meth:`cut` (which ends the stall)."""
+        self._stalled = True
+
+    async def wait_dropped(self, needle: bytes) -> None:
+        """Until bytes containing ``needle`` were dropped (while stalled)."""
+        while needle not in self.dropped:
+            await self._dropping.wait()

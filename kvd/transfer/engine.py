@@ -49,6 +49,7 @@ from protocol.errors import (
     LimitExceeded,
     LocalProtocolError,
     NotFound,
+    PeerUnavailable,
     PermissionDenied,
     UnknownPeer,
     error_from_code,
@@ -655,6 +656,18 @@ class Engine:
             unmatched = self.transfers.get(("", rid))
             if unmatched is not None and unmatched.finished.is_set():
                 t = unmatched
+        if t is not None and isinstance(msg, x.XferFail) and msg.sender == "gen" and f.Role.CTX in t.machine.here:
+            mine = t.machine.side(f.Role.CTX)
+            if mine.state in f.FINAL:
+                # gen waits for our word that no write of ours can land. We said so when our
+                # side ended, but that may have been lost with a link (gen's notice comes on
+                # the next one): say it again, else gen waits for its deadline
+                if mine.state is f.State.FAILED:
+                    code, message = mine.code, mine.message
+                else:
+                    code, message = PeerUnavailable.code, "the ctx side had finished sending before the link was lost"
+                await self._tell(link, x.XferFail(request_id=rid, code=code, message=message, writes_stopped=True,
+                                                  sender="ctx"))
         if t is not None and t.finished.is_set() and isinstance(msg, x.XferOffer | x.XferAnnounce | x.XferPath):
             sender = "ctx" if isinstance(msg, x.XferAnnounce) else "gen"
             mine = t.machine.side(f.Role(sender))
