@@ -53,15 +53,17 @@ async def _watch_signals(daemon: Daemon) -> None:
             daemon.request_stop(f"signal {signal.Signals(signum).name}")
 
 
-#: How often the sampled gauges (bounce chunks in use) are refreshed for /metrics.
+#: How often the sampled gauges (bounce chunks in use, peer agents kept) are refreshed for /metrics.
 GAUGE_SAMPLE_S = 0.5
 
 
 async def _sample_gauges(daemon: Daemon) -> None:
-    """Refresh the gauges no actor updates on change (bounce chunks in use)."""
+    """Refresh the gauges no actor updates on change (bounce chunks in use, peer agents kept)."""
     while True:
         engine = daemon.engine
+        links = engine.links if engine is not None else None
         daemon.metrics.set_bounce_in_use(engine.bounce_chunks_in_use() if engine is not None else 0)
+        daemon.metrics.set_agents_kept(len(links.kept_agents) if links is not None else 0)
         await trio.sleep(GAUGE_SAMPLE_S)
 
 

@@ -73,6 +73,7 @@ def test_methods_move_the_series() -> None:
     m.set_pool("gpu0", used=10, free=90)
     m.set_sessions(3)
     m.set_bounce_in_use(2)
+    m.set_agents_kept(1)
     s = samples(m.render().decode())
     assert s[("kvd_transfers_total", (("path", "bounce"), ("role", "ctx")))] == 2
     assert s[("kvd_transfers_total", (("path", "direct"), ("role", "gen")))] == 1
@@ -83,6 +84,7 @@ def test_methods_move_the_series() -> None:
     assert s[("kvd_pool_blocks_free", (("pool", "gpu0"),))] == 90
     assert s[("kvd_sessions", ())] == 3
     assert s[("kvd_bounce_chunks_in_use", ())] == 2
+    assert s[("kvd_peer_agents_kept", ())] == 1
     assert s[("kvd_transfer_seconds_count", (("role", "ctx"),))] == 2
     assert s[("kvd_transfer_seconds_bucket", (("le", "0.001"), ("role", "ctx")))] == 0
     assert s[("kvd_transfer_seconds_bucket", (("le", "0.005"), ("role", "ctx")))] == 1

@@ -97,6 +97,9 @@ class Metrics:
         self._bounce = Gauge(
             "kvd_bounce_chunks_in_use", "Bounce-buffer chunks currently reserved.", registry=r
         )
+        self._agents_kept = Gauge(
+            "kvd_peer_agents_kept", "Peers' NIXL agents kept loaded while their link is down.", registry=r
+        )
         self._seconds = Histogram(
             "kvd_transfer_seconds",
             "Duration of completed transfers, by role.",
@@ -150,6 +153,10 @@ class Metrics:
     def set_bounce_in_use(self, n: int) -> None:
         """Number of bounce chunks reserved right now."""
         self._bounce.set(n)
+
+    def set_agents_kept(self, n: int) -> None:
+        """Number of peers' NIXL agents kept loaded while their link is down."""
+        self._agents_kept.set(n)
 
     def render(self) -> bytes:
         """The registry in the Prometheus text exposition format (``CONTENT_TYPE_LATEST``)."""

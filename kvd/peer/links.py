@@ -417,7 +417,7 @@ class PeerLinks:
         nixl = self.transport.agent
         # one link per peer at a time from the decision to its registration: two links to one
         # peer instance load the same NIXL agent name, so the loser must be gone (its agent
-        # removed) before the winner loads it
+        # kept, see KeptAgents) before the winner loads it again
         async with self._settling.setdefault(node, trio.Lock()):
             old = self.links.get(node)
             if old is not None:
@@ -522,9 +522,13 @@ class PeerLinks:
     def _forget(self, forget: list[Forget]) -> None:
         """Forget the kept agents :class:`KeptAgents` gave up (their peers are gone)."""
         for f in forget:
-            with contextlib.suppress(KvdError):
+            try:
                 self.transport.agent.remove_remote(f.agent)
-            log.info("peer.agent_forgotten", node=f.node, nixl_agent=f.agent, reason=f.reason)
+            except KvdError as exc:  # NIXL refused: the agent may stay loaded, say so
+                log.warning("peer.agent_forgotten", node=f.node, nixl_agent=f.agent, reason=f.reason,
+                            error=str(exc))
+            else:
+                log.info("peer.agent_forgotten", node=f.node, nixl_agent=f.agent, reason=f.reason)
 
     async def _heartbeats(self, conn: PeerConnection, reasons: list[str]) -> None:
         """Beat until the peer falls silent; then close the link (the receive loop ends)."""
