@@ -14,6 +14,9 @@ names is gone) and the new one is loaded.
 
 from __future__ import annotations
 
+import ctypes
+import os
+import socket
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -115,3 +118,64 @@ async def test_a_restarted_peer_replaces_the_kept_agent(daemon_factory: Factory,
         await _transfer(Pair(ctx, gen2), "after")
         assert _established(ctx) == base
         nursery.cancel_scope.cancel()
+
+
+def _reset_tcp_connections(pid: int, keep_port: int) -> int:
+    """Reset (RST) every established TCP connection of process ``pid`` but those on
+    ``keep_port`` (its peer link), as a network failure would: the process keeps its sockets,
+    broken. Returns how many were reset."""
+    established: dict[str, tuple[int, int]] = {}
+    for table in (f"/proc/{pid}/net/tcp", f"/proc/{pid}/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            f = line.split()
+            if f[3] == "01":
+                established[f[9]] = (int(f[1].split(":")[1], 16), int(f[2].split(":")[1], 16))
+    libc = ctypes.CDLL(None, use_errno=True)
+    pidfd = os.pidfd_open(pid)
+    reset = 0
+    try:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            inode = target[len("socket:["):-1] if target.startswith("socket:[") else ""
+            if inode not in established or keep_port in established[inode]:
+                continue
+            mine = libc.syscall(438, pidfd, int(fd), 0)  # pidfd_getfd: our copy of its socket
+            assert mine >= 0, os.strerror(ctypes.get_errno())
+            with socket.socket(fileno=mine) as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+                s.shutdown(socket.SHUT_RDWR)
+            reset += 1
+    finally:
+        os.close(pidfd)
+    return reset
+
+
+async def test_a_flap_that_broke_the_nixl_connection_mends_it(daemon_factory: Factory, short_tmp: Path) -> None:
+    """The network broke the UCX connections too, not only the link: a kept agent whose
+    endpoint failed is forgotten and loaded afresh (reloading it over itself would leave every
+    later write to that peer failing until a daemon restarts)."""
+    write_secret(short_tmp)
+    gen = _start_gen(daemon_factory, short_tmp)
+    proxy = Proxy(gen.peer_port)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(proxy.serve)
+        ctx = _start_ctx(daemon_factory, short_tmp, proxy.port)
+        pair = Pair(ctx, gen)
+        await _logged(ctx, "peer.connected", 1, node="gen", dialled_by="ctx")
+        await _transfer(pair, "before")
+        before = _established(gen)
+        assert _reset_tcp_connections(gen.pid, gen.peer_port) >= 1
+        with trio.fail_after(30):  # until gen's UCX saw its connections fail (and closed them)
+            while _established(gen) >= before:
+                await trio.sleep(0.01)  # polling the process's sockets; the condition is the sync point
+        assert proxy.cut() == 1
+        for d, peer in ((ctx, "gen"), (gen, "ctx")):
+            await _logged(d, "peer.connected", 2, node=peer, dialled_by="ctx")
+        for i in range(3):
+            await _transfer(pair, f"after-{i}")
+        nursery.cancel_scope.cancel()
+    mended = [r for d in (ctx, gen) for r in await _logged(d, "peer.agent_forgotten", 1)]
+    assert {r["reason"] for r in mended} == {"its connection failed"}, mended

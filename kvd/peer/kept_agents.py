@@ -12,6 +12,11 @@ and descriptor lists prepared for it are released), and when the link comes back
 - from **another instance** of that node (the peer restarted), the kept one is forgotten: its
   process is gone.
 
+A kept agent is not kept when an operation with it failed, and is loaded afresh when UCX
+refuses a probe notification on its return: when the network broke the UCX connection along
+with the link, reloading metadata over the agent would not mend the failed endpoint
+(``CONNECTION_FAILED``; :meth:`kvd.transport.NixlAgent.failed_with`, ``probe_remote``).
+
 A kept agent whose peer never comes back costs little (UCX closes its connections once the
 peer's process is gone), but peers are not counted, so at most ``limit`` are kept: beyond,
 the one kept longest is forgotten. The daemon's NIXL agent forgets every remote when it closes.
@@ -27,6 +32,7 @@ from dataclasses import dataclass
 #: reasons an agent is forgotten, as logged (``peer.agent_forgotten``)
 NEW_INSTANCE = "a new instance of the peer"
 OVER_LIMIT = "more peers' agents kept than the limit"
+CONNECTION_FAILED = "its connection failed"
 
 #: how many peers' agents stay loaded while their links are down
 DEFAULT_LIMIT = 256

@@ -28,7 +28,7 @@ from kvd.ops.accept import accept_loop
 from kvd.ops.throttle import Throttle
 from kvd.peer import accept_peer, connect_with_backoff, load_secret, open_peer, run_heartbeats
 from kvd.peer.attach import attach_peer_pools
-from kvd.peer.kept_agents import Forget, KeptAgents
+from kvd.peer.kept_agents import CONNECTION_FAILED, Forget, KeptAgents
 from kvd.peer.retry import Backoff
 from kvd.startup import bind_failed
 from protocol import transfer as x
@@ -428,21 +428,23 @@ class PeerLinks:
                 old.superseded = DUPLICATE_LINK if duplicate else "replaced by a new link"
                 await old.conn.aclose(old.superseded)
                 await old.closed.wait()
-            kept, forget = self.kept_agents.link_up(node, welcome.nixl_agent)
-            self._forget(forget)
+            kept = self.kept_agents.agent_of(node) == welcome.nixl_agent
             try:
-                agent = await trio.to_thread.run_sync(nixl.add_remote, welcome.nixl_metadata)
+                agent, mended = await trio.to_thread.run_sync(self._load_agent, welcome.nixl_metadata, kept)
                 if agent != welcome.nixl_agent:
                     self._unload_stray(agent)
                     raise BadRequest(f"peer {node!r} named NIXL agent {welcome.nixl_agent!r} in its welcome, but its "
                                      f"metadata is agent {agent!r}: its link and its notifications would not match")
                 link = PeerLink(node, conn, welcome, agent, dialled_by)
-            except KvdError as exc:
-                if kept:  # still loaded from the link before: keep it as it was
-                    self._forget(self.kept_agents.link_down(node, welcome.nixl_agent))
+            except KvdError as exc:  # whatever was kept for the node stays kept, as it was
                 log.warning("peer.rejected", node=node, error=str(exc))
                 await conn.aclose(str(exc))
                 return
+            # only now that the link is good: an older instance's kept agent goes
+            self._forget(self.kept_agents.link_up(node, agent)[1])
+            if mended:
+                log.info("peer.agent_forgotten", node=node, nixl_agent=agent, reason=CONNECTION_FAILED)
+            kept = kept and not mended
             if (self.config.transfer.mapped and welcome.host_id == host_identity() and welcome.socket_path
                     and welcome.pools):
                 try:
@@ -501,14 +503,31 @@ class PeerLinks:
                 level("peer.disconnected", node=node, reason=clip_text(reason))
                 self._link_lost(node, reason)
                 # the peer may live on and link again: keep its agent loaded (forgetting and
-                # reloading a live agent leaks a UCX connection), release what was prepared for it
-                with contextlib.suppress(KvdError):
-                    nixl.release_prepared(agent)
-                self._forget(self.kept_agents.link_down(node, agent))
+                # reloading a live agent leaks a UCX connection), release what was prepared for
+                # it; unless an operation with it failed: a broken UCX endpoint mends only when
+                # the agent is forgotten, so the next link loads it afresh
+                if nixl.failed_with(agent):
+                    self._forget([Forget(node, agent, CONNECTION_FAILED)])
+                else:
+                    with contextlib.suppress(KvdError):
+                        nixl.release_prepared(agent)
+                    self._forget(self.kept_agents.link_down(node, agent))
                 await conn.aclose()
                 for pool in link.mapped.values():
                     pool.close()
                 link.closed.set()
+
+    def _load_agent(self, metadata: bytes, kept: bool) -> tuple[str, bool]:
+        """Load a linking peer's agent (in a worker thread); ``kept``: an agent of that name is
+        still loaded from an earlier link. A kept agent whose UCX endpoint failed meanwhile (the
+        network broke along with the link) is forgotten and loaded afresh: reloading metadata
+        over it does not mend the endpoint. Returns the agent's name and whether it was mended."""
+        nixl = self.transport.agent
+        agent = nixl.add_remote(metadata)
+        if not kept or (not nixl.failed_with(agent) and nixl.probe_remote(agent)):
+            return agent, False
+        nixl.remove_remote(agent)
+        return nixl.add_remote(metadata), True
 
     def _unload_stray(self, agent: str) -> None:
         """Forget ``agent``, just loaded for a link that is refused, unless a live link or a
@@ -521,7 +540,12 @@ class PeerLinks:
 
     def _forget(self, forget: list[Forget]) -> None:
         """Forget the kept agents :class:`KeptAgents` gave up (their peers are gone)."""
+        in_use = {link.agent for link in self.links.values()}
         for f in forget:
+            if f.agent in in_use:  # the name is a live link's now (a peer reusing it): keep it loaded
+                log.warning("peer.agent_forgotten", node=f.node, nixl_agent=f.agent, reason=f.reason,
+                            error="not unloaded: a live link uses that agent name")
+                continue
             try:
                 self.transport.agent.remove_remote(f.agent)
             except KvdError as exc:  # NIXL refused: the agent may stay loaded, say so

@@ -348,6 +348,8 @@ class NixlAgent:
         self.progress_thread = progress_thread
         self._busy = 0
         self._remotes: set[str] = set()
+        #: remote agents an operation failed with since they were loaded (see :meth:`failed_with`)
+        self._failed: set[str] = set()
         self._regs: list[RegHandle] = []
         self._unreleased: list[XferHandle] = []
         # slot descriptor lists prepared by slot_descs(): remote agent ("" = local) -> LRU by key
@@ -460,10 +462,26 @@ class NixlAgent:
         self._release_slot_writes(name)
         self._release_slot_descs(name)
 
+    def failed_with(self, name: str) -> bool:
+        """Whether a write to, a transfer state of, or a notification to remote agent ``name``
+        failed since it was loaded: its connection may be broken, and loading its metadata
+        again does not mend a UCX endpoint that failed (only :meth:`remove_remote` does)."""
+        return name in self._failed
+
+    def probe_remote(self, name: str) -> bool:
+        """Send ``name`` an empty notification (receivers drop it); whether UCX took it. An
+        endpoint UCX knows to be broken refuses it at once."""
+        try:
+            self.send_notif(name, b"")
+        except NixlError:
+            return False
+        return True
+
     def remove_remote(self, name: str) -> None:
         """Forget a remote agent (disconnects from it) after :meth:`release_prepared`.
         Unknown names are ignored."""
         self.release_prepared(name)
+        self._failed.discard(name)
         if name not in self._remotes:
             return
         self._remotes.discard(name)
@@ -551,10 +569,12 @@ class NixlAgent:
                 state = self._agent.transfer(handle._handle, notif)
                 handle.notif = notif
         except Exception as exc:
+            self._failed.add(handle.remote_agent)
             self._release_quietly(handle)
             self._progress_quietly()
             raise _nixl_error(f"post {handle.describe()}", exc) from exc
         if state == "ERR":
+            self._failed.add(handle.remote_agent)
             self._release_quietly(handle)
             raise NixlError(f"post {handle.describe()} failed: NIXL returned ERR")
         handle.posted = state
@@ -877,12 +897,14 @@ class NixlAgent:
         try:
             state = self._agent.check_xfer_state(handle._handle)
         except Exception as exc:
+            self._failed.add(handle.remote_agent)
             raise _nixl_error(f"{handle.describe()}", exc) from exc
         if state == "DONE":
             handle.done = True
             return "DONE"
         if state == "PROC":
             return "PROC"
+        self._failed.add(handle.remote_agent)
         raise NixlError(f"{handle.describe()} failed: NIXL reported {state}")
 
     def release(self, handle: XferHandle) -> None:
@@ -984,6 +1006,8 @@ class NixlAgent:
         try:
             self._agent.send_notif(remote_agent, msg)
         except Exception as exc:
+            if remote_agent in self._remotes:
+                self._failed.add(remote_agent)
             hint = self._create_hint(remote_agent) if type(exc).__name__ == "nixlNotFoundError" else ""
             raise _nixl_error(f"send notification to agent {remote_agent!r}", exc, hint) from exc
 
