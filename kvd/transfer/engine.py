@@ -665,7 +665,7 @@ class Engine:
                 if mine.state is f.State.FAILED:
                     code, message = mine.code, mine.message
                 else:
-                    code, message = PeerUnavailable.code, "the ctx side had finished sending before the link was lost"
+                    code, message = PeerUnavailable.code, "the ctx side had already finished sending"
                 await self._tell(link, x.XferFail(request_id=rid, code=code, message=message, writes_stopped=True,
                                                   sender="ctx"))
         if t is not None and t.finished.is_set() and isinstance(msg, x.XferOffer | x.XferAnnounce | x.XferPath):

@@ -192,11 +192,13 @@ class _Progress:
             self.side.chunks_total = chunks
 
     def check(self) -> None:
-        """Refuse a new write once the side failed (aborting, or already ended: a data task
+        """Refuse a new write once the side failed (aborting, or failed already: a data task
         can still run a step after its side reported, until its cancellation is delivered)."""
         state = self.t.machine.state(self.role)
-        if state is f.State.ABORTING or state in f.FINAL:
+        if state is f.State.ABORTING or state is f.State.FAILED:
             raise TransferCancelled(f"request {self.t.request_id!r}: {state.value}, no new write")
+        if state is f.State.DONE:  # a path that wrote on after it said all its data was out: a bug
+            raise InternalError(f"request {self.t.request_id!r}: a write after the side was done")
 
     def ended(self, n: int = 1) -> None:
         self.t.feed(f.WriteEnded(self.role, n))
