@@ -22,10 +22,13 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import pytest
 import trio
 
 from kvd.bench.ucx_reconnect import socket_counts
 from kvd.demo.launch import DaemonProcess
+from kvd.peer.links import NIXL_DISCONNECTED
+from protocol.errors import KvdError
 from protocol.layout import KVLayout
 from tests.tcp_proxy import Proxy
 from tests.transfer_harness import Pair, assert_exact, pools_for, run_transfer, write_secret
@@ -179,3 +182,35 @@ async def test_a_flap_that_broke_the_nixl_connection_mends_it(daemon_factory: Fa
         nursery.cancel_scope.cancel()
     mended = [r for d in (ctx, gen) for r in await _logged(d, "peer.agent_forgotten", 1)]
     assert {r["reason"] for r in mended} == {"its connection failed"}, mended
+
+
+async def test_a_broken_nixl_connection_under_a_live_link_is_mended(daemon_factory: Factory,
+                                                                    short_tmp: Path) -> None:
+    """The UCX connections break while the peer link stays up: the link is closed (the NIXL
+    connection to that peer is known to be broken), comes back with the agent loaded afresh,
+    and transfers work again; only a transfer caught by the break may fail."""
+    write_secret(short_tmp)
+    gen = _start_gen(daemon_factory, short_tmp)
+    proxy = Proxy(gen.peer_port)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(proxy.serve)
+        ctx = _start_ctx(daemon_factory, short_tmp, proxy.port)
+        pair = Pair(ctx, gen)
+        await _logged(ctx, "peer.connected", 1, node="gen", dialled_by="ctx")
+        await _transfer(pair, "before")
+        before = _established(gen)
+        assert _reset_tcp_connections(gen.pid, gen.peer_port) >= 1
+        with trio.fail_after(30):  # until gen's UCX saw its connections fail (and closed them)
+            while _established(gen) >= before:
+                await trio.sleep(0.01)  # polling the process's sockets; the condition is the sync point
+        with pytest.raises(BaseExceptionGroup) as first:  # the next transfer finds the connection broken
+            await _transfer(pair, "caught")
+        assert first.group_contains(KvdError, depth=None), first.value
+        # the daemon that saw it closes the link; it comes back with the agent loaded afresh
+        (closed,) = await _logged(ctx, "peer.disconnected", 1, node="gen")
+        assert closed["reason"] == NIXL_DISCONNECTED, closed
+        for d, peer in ((ctx, "gen"), (gen, "ctx")):
+            await _logged(d, "peer.connected", 2, node=peer, dialled_by="ctx")
+        for i in range(2):
+            await _transfer(pair, f"after-{i}")
+        nursery.cancel_scope.cancel()

@@ -142,6 +142,10 @@ class LostLink:
     incoming: bool  # the peer had dialled it
 
 
+#: why a link whose NIXL connection failed is closed (it comes back with the agent loaded afresh)
+NIXL_DISCONNECTED = "the NIXL connection to the peer failed (remote disconnect)"
+
+
 class PeerLinks:
     """Owns every peer link of the daemon; delivers what arrives to the handlers it was given."""
 
@@ -472,6 +476,7 @@ class PeerLinks:
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._heartbeats, conn, reasons)
+                nursery.start_soon(self._watch_nixl, conn, agent, reasons)
                 nursery.start_soon(conn.run_writer)
                 try:
                     for notice in owed:
@@ -553,6 +558,17 @@ class PeerLinks:
                             error=str(exc))
             else:
                 log.info("peer.agent_forgotten", node=f.node, nixl_agent=f.agent, reason=f.reason)
+
+    async def _watch_nixl(self, conn: PeerConnection, agent: str, reasons: list[str]) -> None:
+        """Close the link once NIXL found its connection to the peer's agent broken (the network
+        broke UCX's connections while the link stayed up): every transfer with the peer would
+        fail until the agent is loaded afresh, which the link's end and its return do."""
+        nixl = self.transport.agent
+        period = max(0.05, self.config.transfer.heartbeat_interval_s / 4)
+        while not nixl.disconnected(agent):
+            await trio.sleep(period)
+        reasons.append(NIXL_DISCONNECTED)
+        await conn.aclose(NIXL_DISCONNECTED)
 
     async def _heartbeats(self, conn: PeerConnection, reasons: list[str]) -> None:
         """Beat until the peer falls silent; then close the link (the receive loop ends)."""

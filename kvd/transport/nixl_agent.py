@@ -350,6 +350,8 @@ class NixlAgent:
         self._remotes: set[str] = set()
         #: remote agents an operation failed with since they were loaded (see :meth:`failed_with`)
         self._failed: set[str] = set()
+        #: those of them whose failure was NIXL's "remote disconnect" (see :meth:`disconnected`)
+        self._disconnected: set[str] = set()
         self._regs: list[RegHandle] = []
         self._unreleased: list[XferHandle] = []
         # slot descriptor lists prepared by slot_descs(): remote agent ("" = local) -> LRU by key
@@ -468,6 +470,17 @@ class NixlAgent:
         again does not mend a UCX endpoint that failed (only :meth:`remove_remote` does)."""
         return name in self._failed
 
+    def disconnected(self, name: str) -> bool:
+        """Whether an operation with remote agent ``name`` failed because NIXL found its
+        connection broken (``nixlRemoteDisconnectError``) since it was loaded: every later
+        one will fail too, until the agent is forgotten and loaded again."""
+        return name in self._disconnected
+
+    def _note_failure(self, name: str, exc: BaseException | None = None) -> None:
+        self._failed.add(name)
+        if exc is not None and type(exc).__name__ == "nixlRemoteDisconnectError":
+            self._disconnected.add(name)
+
     def probe_remote(self, name: str) -> bool:
         """Send ``name`` an empty notification (receivers drop it); whether UCX took it. An
         endpoint UCX knows to be broken refuses it at once."""
@@ -482,6 +495,7 @@ class NixlAgent:
         Unknown names are ignored."""
         self.release_prepared(name)
         self._failed.discard(name)
+        self._disconnected.discard(name)
         if name not in self._remotes:
             return
         self._remotes.discard(name)
@@ -569,12 +583,12 @@ class NixlAgent:
                 state = self._agent.transfer(handle._handle, notif)
                 handle.notif = notif
         except Exception as exc:
-            self._failed.add(handle.remote_agent)
+            self._note_failure(handle.remote_agent, exc)
             self._release_quietly(handle)
             self._progress_quietly()
             raise _nixl_error(f"post {handle.describe()}", exc) from exc
         if state == "ERR":
-            self._failed.add(handle.remote_agent)
+            self._note_failure(handle.remote_agent)
             self._release_quietly(handle)
             raise NixlError(f"post {handle.describe()} failed: NIXL returned ERR")
         handle.posted = state
@@ -897,14 +911,14 @@ class NixlAgent:
         try:
             state = self._agent.check_xfer_state(handle._handle)
         except Exception as exc:
-            self._failed.add(handle.remote_agent)
+            self._note_failure(handle.remote_agent, exc)
             raise _nixl_error(f"{handle.describe()}", exc) from exc
         if state == "DONE":
             handle.done = True
             return "DONE"
         if state == "PROC":
             return "PROC"
-        self._failed.add(handle.remote_agent)
+        self._note_failure(handle.remote_agent)
         raise NixlError(f"{handle.describe()} failed: NIXL reported {state}")
 
     def release(self, handle: XferHandle) -> None:
@@ -1007,7 +1021,7 @@ class NixlAgent:
             self._agent.send_notif(remote_agent, msg)
         except Exception as exc:
             if remote_agent in self._remotes:
-                self._failed.add(remote_agent)
+                self._note_failure(remote_agent, exc)
             hint = self._create_hint(remote_agent) if type(exc).__name__ == "nixlNotFoundError" else ""
             raise _nixl_error(f"send notification to agent {remote_agent!r}", exc, hint) from exc
 
