@@ -82,10 +82,9 @@ class KeptAgents:
             out.append(Forget(victim, victim_agent, OVER_LIMIT))
         return out
 
-    def link_up(self, node: str, agent: str) -> tuple[bool, list[Forget]]:
-        """A link to ``node`` whose agent is ``agent`` is being set up (before its metadata is
-        loaded). Returns whether that agent is still loaded from an earlier link, and what to
-        forget first."""
+    def link_up(self, node: str, agent: str) -> list[Forget]:
+        """A link to ``node`` whose agent ``agent`` is loaded came up (whether it was kept:
+        :meth:`agent_of`, asked before). Returns what to forget now."""
         kept = self._kept.pop(node, None)
         out: list[Forget] = []
         if kept is not None and kept != agent:
@@ -94,4 +93,4 @@ class KeptAgents:
         # it is in use again, so it must not be forgotten when that other entry goes
         for other in [n for n, a in self._kept.items() if a == agent]:
             del self._kept[other]
-        return kept == agent, out
+        return out

@@ -445,7 +445,7 @@ class PeerLinks:
                 await conn.aclose(str(exc))
                 return
             # only now that the link is good: an older instance's kept agent goes
-            self._forget(self.kept_agents.link_up(node, agent)[1])
+            self._forget(self.kept_agents.link_up(node, agent))
             if mended:
                 log.info("peer.agent_forgotten", node=node, nixl_agent=agent, reason=CONNECTION_FAILED)
             kept = kept and not mended
@@ -534,18 +534,21 @@ class PeerLinks:
         nixl.remove_remote(agent)
         return nixl.add_remote(metadata), True
 
+    def _agents_in_use(self) -> set[str]:
+        """The NIXL agents of the live links."""
+        return {link.agent for link in self.links.values()}
+
     def _unload_stray(self, agent: str) -> None:
         """Forget ``agent``, just loaded for a link that is refused, unless a live link or a
         kept one uses that name (loading it again changed nothing for them)."""
-        in_use = {link.agent for link in self.links.values()}
-        if agent in in_use or agent in self.kept_agents.agents():
+        if agent in self._agents_in_use() or agent in self.kept_agents.agents():
             return
         with contextlib.suppress(KvdError):
             self.transport.agent.remove_remote(agent)
 
     def _forget(self, forget: list[Forget]) -> None:
         """Forget the kept agents :class:`KeptAgents` gave up (their peers are gone)."""
-        in_use = {link.agent for link in self.links.values()}
+        in_use = self._agents_in_use()
         for f in forget:
             if f.agent in in_use:  # the name is a live link's now (a peer reusing it): keep it loaded
                 log.warning("peer.agent_forgotten", node=f.node, nixl_agent=f.agent, reason=f.reason,

@@ -477,6 +477,8 @@ class NixlAgent:
         return name in self._disconnected
 
     def _note_failure(self, name: str, exc: BaseException | None = None) -> None:
+        if name not in self._remotes:  # never loaded, or forgotten already: nothing to mend
+            return
         self._failed.add(name)
         if exc is not None and type(exc).__name__ == "nixlRemoteDisconnectError":
             self._disconnected.add(name)
@@ -1020,8 +1022,7 @@ class NixlAgent:
         try:
             self._agent.send_notif(remote_agent, msg)
         except Exception as exc:
-            if remote_agent in self._remotes:
-                self._note_failure(remote_agent, exc)
+            self._note_failure(remote_agent, exc)
             hint = self._create_hint(remote_agent) if type(exc).__name__ == "nixlNotFoundError" else ""
             raise _nixl_error(f"send notification to agent {remote_agent!r}", exc, hint) from exc
 
