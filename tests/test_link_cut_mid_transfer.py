@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import signal
 from collections.abc import Callable
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -33,13 +32,20 @@ import torch
 import trio
 
 from clients import open_client
-from clients.client import AsyncClient
 from kvd.demo.launch import DaemonProcess
 from protocol.errors import BlocksInUse, KvdError, PeerUnavailable, WaitTimeout
 from protocol.layout import KVLayout
 from protocol.messages import Completion
-from tests.tcp_proxy import Proxy
-from tests.transfer_harness import Pair, assert_exact, pools_for, run_transfer, write_secret
+from tests.transfer_harness import (
+    assert_exact,
+    gen_progress,
+    logged,
+    pools_for,
+    proxied_pair,
+    refill_and_watch,
+    run_transfer,
+    until_landed,
+)
 
 Factory = Callable[..., DaemonProcess]
 GEO: dict[str, Any] = {"num_layers": 4, "num_kv_heads": 8, "head_dim": 64, "tokens_per_block": 16,
@@ -60,10 +66,6 @@ TRANSFER: dict[str, Any] = {
 }
 
 
-async def _logged(d: DaemonProcess, event: str, count: int, **fields: object) -> list[dict[str, Any]]:
-    return await trio.to_thread.run_sync(partial(d.logged, event, count, 30.0, **fields))
-
-
 def _records(d: DaemonProcess, event: str, **fields: object) -> list[dict[str, Any]]:
     """Every log record of ``event`` so far with the given field values."""
     needle = f'"{event}"'
@@ -76,24 +78,6 @@ def _records(d: DaemonProcess, event: str, **fields: object) -> list[dict[str, A
     return out
 
 
-async def _gen_progress(c: AsyncClient) -> tuple[str, int]:
-    for t in await c.transfers():
-        if t.request_id == RID and t.role == "gen":
-            return t.state, t.chunks_done
-    return "", 0
-
-
-async def _until_landed(g: AsyncClient) -> None:
-    """Until gen saw the first writes of the request land."""
-    with trio.fail_after(30):
-        while True:
-            state, chunks = await _gen_progress(g)
-            if chunks >= 1:
-                return
-            assert state not in ("done", "failed"), f"the transfer ended before any write landed ({state})"
-            await trio.sleep(0.005)  # polling the daemon's reply; the condition is the sync point
-
-
 @pytest.mark.parametrize("path", ["direct", "bounce"])
 @pytest.mark.parametrize("relink", ["at_once", "after_ctx_failed"])
 async def test_no_write_lands_after_the_link_is_cut(daemon_factory: Factory, short_tmp: Path, path: str,
@@ -104,18 +88,11 @@ async def test_no_write_lands_after_the_link_is_cut(daemon_factory: Factory, sho
         transfer["descs_per_write"] = 1
     else:
         gen_layout, gen_blocks = GEN_BOUNCE, BLOCKS // 2
-    secret = write_secret(short_tmp)
-    gen = daemon_factory({"pools": pools_for("gen", gen_layout, 2 * gen_blocks), "peer_secret_file": secret,
-                          "transfer": transfer}, name="gen")
-    proxy = Proxy(gen.peer_port)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(proxy.serve)
-        ctx = daemon_factory({"pools": pools_for("ctx", LAYOUT, 2 * BLOCKS), "peer_secret_file": secret,
-                              "transfer": transfer,
-                              "peers": [{"name": "gen", "host": "127.0.0.1", "port": proxy.port}]}, name="ctx")
-        await _logged(ctx, "peer.connected", 1, node="gen", dialled_by="ctx")
-        await _logged(gen, "peer.connected", 1, node="ctx", dialled_by="ctx")
-
+    async with proxied_pair(daemon_factory, short_tmp,
+                            {"pools": pools_for("ctx", LAYOUT, 2 * BLOCKS), "transfer": transfer},
+                            {"pools": pools_for("gen", gen_layout, 2 * gen_blocks), "transfer": transfer},
+                            ) as (pair, proxy), trio.open_nursery() as nursery:
+        ctx, gen = pair.ctx, pair.gen
         async with open_client(gen.socket_path, client="gen-exec") as g, \
                 open_client(ctx.socket_path, client="ctx-exec") as c:
             ids = await g.alloc("gen0", gen_blocks)
@@ -143,15 +120,15 @@ async def test_no_write_lands_after_the_link_is_cut(daemon_factory: Factory, sho
             # middle of the transfer (a few writes it posted may still land), cut the link,
             # wait until gen saw it go, and let the sender go on: it finds its link gone with
             # writes still to post and the UCX connection to gen still up (the kept agent)
-            await _until_landed(g)
+            await until_landed(g, RID)
             ctx.proc.send_signal(signal.SIGSTOP)
             try:
-                state, _chunks = await _gen_progress(g)
+                state, _chunks = await gen_progress(g, RID)
                 assert state not in ("done", "failed"), f"the transfer ended before the cut ({state})"
                 if relink == "after_ctx_failed":
                     proxy.hold()
                 assert proxy.cut() == 1
-                await _logged(gen, "peer.disconnected", 1, node="ctx")
+                await logged(gen, "peer.disconnected", 1, node="ctx")
             finally:
                 ctx.proc.send_signal(signal.SIGCONT)
 
@@ -165,7 +142,7 @@ async def test_no_write_lands_after_the_link_is_cut(daemon_factory: Factory, sho
                     await g.wait(RID, timeout_s=1.0)
                 with pytest.raises(BlocksInUse):
                     await g.free("gen0", ids)
-                assert (await _gen_progress(g))[0] == "aborting"
+                assert (await gen_progress(g, RID))[0] == "aborting"
                 assert not _records(gen, "transfer.failed", request_id=RID)
                 proxy.release()
 
@@ -179,17 +156,7 @@ async def test_no_write_lands_after_the_link_is_cut(daemon_factory: Factory, sho
 
             # another session takes every free block (the failed request's among them) and
             # fills it; the link comes back (and ctx may still be aborting) meanwhile
-            async with open_client(gen.socket_path, client="next-tenant") as other:
-                pool = await other.attach("gen0")
-                free = next(p for p in await other.pools() if p.name == "gen0").blocks_free
-                mine = await other.alloc("gen0", free)
-                assert set(ids) <= set(mine)
-                view = pool.tensor.view(torch.int16)
-                index = torch.tensor(mine)
-                view[index] = PATTERN
-                await trio.sleep(2.0)  # the window a failed sender had to do harm in
-                damaged = (view[index] != PATTERN).flatten(1).any(dim=1)
-                assert not bool(damaged.any()), f"{int(damaged.sum())} of {len(mine)} blocks were overwritten"
+            await refill_and_watch(gen.socket_path, "gen0", ids, PATTERN)
 
             with trio.fail_after(30):
                 await ctx_heard.wait()
@@ -198,19 +165,17 @@ async def test_no_write_lands_after_the_link_is_cut(daemon_factory: Factory, sho
             assert outcome.code == PeerUnavailable.code, outcome
 
         # the link came back from the same instance: its agent was kept, and reloaded over itself
-        pair = Pair(ctx, gen)
         for d, peer in ((ctx, "gen"), (gen, "ctx")):
-            before, again = (await _logged(d, "peer.connected", 2, node=peer, dialled_by="ctx"))[:2]
+            before, again = (await logged(d, "peer.connected", 2, node=peer, dialled_by="ctx"))[:2]
             assert again["nixl_agent"] == before["nixl_agent"] and again.get("nixl_agent_kept") is True, again
             assert "peer.agent_forgotten" not in d.log()
         out = await run_transfer(pair, LAYOUT, gen_layout, request_id="after-cut", blocks=4)
         assert_exact(out, gen_layout)
         assert {c.path for c in out.gen.values()} == {path}
-        nursery.cancel_scope.cancel()
 
     # one outcome per side: the failure, once, and no success
     for d, role in ((ctx, "ctx"), (gen, "gen")):
-        await _logged(d, "transfer.done", 1, request_id="after-cut", role=role)  # logged after the cut's
+        await logged(d, "transfer.done", 1, request_id="after-cut", role=role)  # logged after the cut's
         (failed,) = _records(d, "transfer.failed", request_id=RID)
         assert failed["role"] == role and failed["code"] == PeerUnavailable.code, failed
         assert not _records(d, "transfer.done", request_id=RID)

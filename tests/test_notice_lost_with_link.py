@@ -14,7 +14,6 @@ Before, ctx ignored gen's notice for a request it had ended, and gen waited for 
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -22,12 +21,10 @@ import pytest
 import trio
 
 from clients import open_client
-from clients.client import AsyncClient
 from kvd.demo.launch import DaemonProcess
 from protocol.errors import KvdError, PeerUnavailable, TransferCancelled
 from protocol.layout import KVLayout
-from tests.tcp_proxy import Proxy
-from tests.transfer_harness import Pair, assert_exact, pools_for, run_transfer, write_secret
+from tests.transfer_harness import assert_exact, logged, pools_for, proxied_pair, run_transfer, until_landed
 
 Factory = Callable[..., DaemonProcess]
 GEO: dict[str, Any] = {"num_layers": 4, "num_kv_heads": 8, "head_dim": 64, "tokens_per_block": 16,
@@ -43,42 +40,20 @@ TRANSFER: dict[str, Any] = {
 }
 
 
-async def _logged(d: DaemonProcess, event: str, count: int, **fields: object) -> list[dict[str, Any]]:
-    return await trio.to_thread.run_sync(partial(d.logged, event, count, 30.0, **fields))
-
-
-async def _until_landed(g: AsyncClient) -> None:
-    """Until gen saw the first writes of the request land."""
-    with trio.fail_after(30):
-        while True:
-            info = [t for t in await g.transfers() if t.request_id == RID and t.role == "gen"]
-            if info and info[0].chunks_done >= 1:
-                return
-            assert not info or info[0].state not in ("done", "failed"), info
-            await trio.sleep(0.005)  # polling the daemon's reply; the condition is the sync point
-
-
 @pytest.mark.parametrize("ctx_end", ["cancelled", "done"])
 async def test_gen_reports_without_waiting_for_its_deadline(daemon_factory: Factory, short_tmp: Path,
                                                             ctx_end: str) -> None:
-    secret = write_secret(short_tmp)
-    gen = daemon_factory({"pools": pools_for("gen", LAYOUT, 2 * BLOCKS), "peer_secret_file": secret,
-                          "transfer": TRANSFER}, name="gen")
-    proxy = Proxy(gen.peer_port)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(proxy.serve)
-        ctx = daemon_factory({"pools": pools_for("ctx", LAYOUT, 2 * BLOCKS), "peer_secret_file": secret,
-                              "transfer": TRANSFER,
-                              "peers": [{"name": "gen", "host": "127.0.0.1", "port": proxy.port}]}, name="ctx")
-        await _logged(ctx, "peer.connected", 1, node="gen", dialled_by="ctx")
-        await _logged(gen, "peer.connected", 1, node="ctx", dialled_by="ctx")
+    async with proxied_pair(daemon_factory, short_tmp,
+                            {"pools": pools_for("ctx", LAYOUT, 2 * BLOCKS), "transfer": TRANSFER},
+                            {"pools": pools_for("gen", LAYOUT, 2 * BLOCKS), "transfer": TRANSFER}) as (pair, proxy):
+        ctx, gen = pair.ctx, pair.gen
         async with open_client(gen.socket_path, client="gen-exec") as g, \
                 open_client(ctx.socket_path, client="ctx-exec") as c:
             ids = await g.alloc("gen0", BLOCKS)
             await g.expect(RID, "gen0", LAYOUT, 0, ids[::-1], peer="ctx", deadline_s=DEADLINE_S)
             ctx_ids = await c.alloc("ctx0", BLOCKS)
             await c.publish(RID, "ctx0", LAYOUT, 0, ctx_ids, peer="gen", deadline_s=DEADLINE_S)
-            await _until_landed(g)
+            await until_landed(g, RID)
 
             proxy.stall()  # from here, what either daemon sends over the link is lost
             if ctx_end == "cancelled":
@@ -100,13 +75,12 @@ async def test_gen_reports_without_waiting_for_its_deadline(daemon_factory: Fact
             else:
                 assert (await c.wait(RID)).bytes == BLOCKS * LAYOUT.block_bytes(0)
 
-        again = await _logged(gen, "peer.connected", 2, node="ctx", dialled_by="ctx")
+        again = await logged(gen, "peer.connected", 2, node="ctx", dialled_by="ctx")
         assert again[1].get("nixl_agent_kept") is True  # the same ctx instance: no fencing helped
-        out = await run_transfer(Pair(ctx, gen), LAYOUT, LAYOUT, request_id="after", blocks=4)
+        out = await run_transfer(pair, LAYOUT, LAYOUT, request_id="after", blocks=4)
         assert_exact(out, LAYOUT)
-        nursery.cancel_scope.cancel()
-    (gen_failed,) = await _logged(gen, "transfer.failed", 1, request_id=RID)
+    (gen_failed,) = await logged(gen, "transfer.failed", 1, request_id=RID)
     assert gen_failed["role"] == "gen"
-    (ended,) = await _logged(ctx, "transfer.failed" if ctx_end == "cancelled" else "transfer.done", 1,
+    (ended,) = await logged(ctx, "transfer.failed" if ctx_end == "cancelled" else "transfer.done", 1,
                              request_id=RID)
     assert ended["role"] == "ctx"

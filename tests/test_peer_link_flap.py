@@ -18,7 +18,7 @@ import ctypes
 import os
 import socket
 from collections.abc import Callable
-from functools import partial
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +31,7 @@ from kvd.peer.links import NIXL_DISCONNECTED
 from protocol.errors import KvdError
 from protocol.layout import KVLayout
 from tests.tcp_proxy import Proxy
-from tests.transfer_harness import Pair, assert_exact, pools_for, run_transfer, write_secret
+from tests.transfer_harness import Pair, assert_exact, logged, pools_for, proxied_pair, run_transfer
 
 Factory = Callable[..., DaemonProcess]
 GEO: dict[str, Any] = {"num_layers": 4, "num_kv_heads": 8, "head_dim": 64, "tokens_per_block": 16,
@@ -41,10 +41,6 @@ GEN = KVLayout(**GEO, tp_size=2)  # a regroup: chunks through the bounce slots, 
 TRANSFER = {"bounce_size_mb": 4, "chunk_mb": 1, "deadline_s": 30.0, "mapped": False,
             "reconnect_initial_s": 0.05, "reconnect_max_s": 0.2}
 CYCLES = 3
-
-
-async def _logged(d: DaemonProcess, event: str, count: int, **fields: object) -> list[dict[str, Any]]:
-    return await trio.to_thread.run_sync(partial(d.logged, event, count, 30.0, **fields))
 
 
 def _established(d: DaemonProcess) -> int:
@@ -57,41 +53,32 @@ async def _transfer(pair: Pair, rid: str) -> None:
     assert {c.path for c in out.gen.values()} == {"bounce"}
 
 
-def _start_ctx(factory: Factory, workdir: Path, proxy_port: int) -> DaemonProcess:
-    secret = str(workdir / "peer.secret")
-    return factory({"pools": pools_for("ctx", CTX, 16), "peer_secret_file": secret, "transfer": TRANSFER,
-                    "peers": [{"name": "gen", "host": "127.0.0.1", "port": proxy_port}]}, name="ctx")
+_GEN_CONFIG: dict[str, Any] = {"pools": pools_for("gen", GEN, 16), "transfer": TRANSFER}
 
 
-def _start_gen(factory: Factory, workdir: Path) -> DaemonProcess:
-    secret = str(workdir / "peer.secret")
-    return factory({"pools": pools_for("gen", GEN, 16), "peer_secret_file": secret, "transfer": TRANSFER},
-                   name="gen")
+def _linked(factory: Factory, workdir: Path) -> AbstractAsyncContextManager[tuple[Pair, Proxy]]:
+    """ctx (TP1) dialling gen (TP2) through a proxy, linked."""
+    return proxied_pair(factory, workdir, {"pools": pools_for("ctx", CTX, 16), "transfer": TRANSFER},
+                        _GEN_CONFIG)
 
 
 async def test_link_flaps_between_live_daemons_leave_no_connections_behind(
         daemon_factory: Factory, short_tmp: Path) -> None:
-    write_secret(short_tmp)
-    gen = _start_gen(daemon_factory, short_tmp)
-    proxy = Proxy(gen.peer_port)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(proxy.serve)
-        ctx = _start_ctx(daemon_factory, short_tmp, proxy.port)
-        pair = Pair(ctx, gen)
-        (first,) = await _logged(ctx, "peer.connected", 1, node="gen", dialled_by="ctx")
+    async with _linked(daemon_factory, short_tmp) as (pair, proxy):
+        ctx, gen = pair.ctx, pair.gen
+        (first,) = await logged(ctx, "peer.connected", 1, node="gen", dialled_by="ctx")
         await _transfer(pair, "flap-0")
         counts = [(_established(ctx), _established(gen))]
         for cycle in range(1, CYCLES + 1):
             assert proxy.cut() == 1
             for d, peer in ((ctx, "gen"), (gen, "ctx")):
-                await _logged(d, "peer.disconnected", cycle, node=peer)
-                await _logged(d, "peer.connected", cycle + 1, node=peer, dialled_by="ctx")  # link ready
+                await logged(d, "peer.disconnected", cycle, node=peer)
+                await logged(d, "peer.connected", cycle + 1, node=peer, dialled_by="ctx")  # link ready
             await _transfer(pair, f"flap-{cycle}")
             counts.append((_established(ctx), _established(gen)))
-        nursery.cancel_scope.cancel()
     assert counts == [counts[0]] * (CYCLES + 1), f"established TCP connections (ctx, gen) per cycle: {counts}"
     # the same peer instance came back every time: its agent was reloaded, never forgotten
-    again = await _logged(ctx, "peer.connected", CYCLES + 1, node="gen", dialled_by="ctx")
+    again = await logged(ctx, "peer.connected", CYCLES + 1, node="gen", dialled_by="ctx")
     assert {r["nixl_agent"] for r in again} == {first["nixl_agent"]}
     assert [r.get("nixl_agent_kept", False) for r in again] == [False] + [True] * CYCLES
     for d in (ctx, gen):
@@ -99,28 +86,23 @@ async def test_link_flaps_between_live_daemons_leave_no_connections_behind(
 
 
 async def test_a_restarted_peer_replaces_the_kept_agent(daemon_factory: Factory, short_tmp: Path) -> None:
-    write_secret(short_tmp)
-    gen = _start_gen(daemon_factory, short_tmp)
-    proxy = Proxy(gen.peer_port)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(proxy.serve)
-        ctx = _start_ctx(daemon_factory, short_tmp, proxy.port)
-        (first,) = await _logged(ctx, "peer.connected", 1, node="gen", dialled_by="ctx")
-        await _transfer(Pair(ctx, gen), "before")
+    async with _linked(daemon_factory, short_tmp) as (pair, proxy):
+        ctx, gen = pair.ctx, pair.gen
+        (first,) = await logged(ctx, "peer.connected", 1, node="gen", dialled_by="ctx")
+        await _transfer(pair, "before")
         base = _established(ctx)
         await trio.to_thread.run_sync(gen.stop)
-        await _logged(ctx, "peer.disconnected", 1, node="gen")
-        gen2 = _start_gen(daemon_factory, short_tmp)
+        await logged(ctx, "peer.disconnected", 1, node="gen")
+        gen2 = daemon_factory({**_GEN_CONFIG, "peer_secret_file": str(short_tmp / "peer.secret")}, name="gen")
         proxy.target_port = gen2.peer_port
-        (_, second) = await _logged(ctx, "peer.connected", 2, node="gen", dialled_by="ctx")
+        (_, second) = await logged(ctx, "peer.connected", 2, node="gen", dialled_by="ctx")
         assert second["nixl_agent"] != first["nixl_agent"]
         assert not second.get("nixl_agent_kept", False)
-        (forgotten,) = await _logged(ctx, "peer.agent_forgotten", 1, node="gen")
+        (forgotten,) = await logged(ctx, "peer.agent_forgotten", 1, node="gen")
         assert forgotten["nixl_agent"] == first["nixl_agent"]
         assert forgotten["reason"] == "a new instance of the peer"
         await _transfer(Pair(ctx, gen2), "after")
         assert _established(ctx) == base
-        nursery.cancel_scope.cancel()
 
 
 def _reset_tcp_connections(pid: int, keep_port: int) -> int:
@@ -156,31 +138,29 @@ def _reset_tcp_connections(pid: int, keep_port: int) -> int:
     return reset
 
 
+async def _break_nixl_connections(gen: DaemonProcess) -> None:
+    """Reset gen's UCX connections (not its peer link) and wait until its UCX saw them fail."""
+    before = _established(gen)
+    assert _reset_tcp_connections(gen.pid, gen.peer_port) >= 1
+    with trio.fail_after(30):  # until gen's UCX saw its connections fail (and closed them)
+        while _established(gen) >= before:
+            await trio.sleep(0.01)  # polling the process's sockets; the condition is the sync point
+
+
 async def test_a_flap_that_broke_the_nixl_connection_mends_it(daemon_factory: Factory, short_tmp: Path) -> None:
     """The network broke the UCX connections too, not only the link: a kept agent whose
     endpoint failed is forgotten and loaded afresh (reloading it over itself would leave every
     later write to that peer failing until a daemon restarts)."""
-    write_secret(short_tmp)
-    gen = _start_gen(daemon_factory, short_tmp)
-    proxy = Proxy(gen.peer_port)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(proxy.serve)
-        ctx = _start_ctx(daemon_factory, short_tmp, proxy.port)
-        pair = Pair(ctx, gen)
-        await _logged(ctx, "peer.connected", 1, node="gen", dialled_by="ctx")
+    async with _linked(daemon_factory, short_tmp) as (pair, proxy):
+        ctx, gen = pair.ctx, pair.gen
         await _transfer(pair, "before")
-        before = _established(gen)
-        assert _reset_tcp_connections(gen.pid, gen.peer_port) >= 1
-        with trio.fail_after(30):  # until gen's UCX saw its connections fail (and closed them)
-            while _established(gen) >= before:
-                await trio.sleep(0.01)  # polling the process's sockets; the condition is the sync point
+        await _break_nixl_connections(gen)
         assert proxy.cut() == 1
         for d, peer in ((ctx, "gen"), (gen, "ctx")):
-            await _logged(d, "peer.connected", 2, node=peer, dialled_by="ctx")
+            await logged(d, "peer.connected", 2, node=peer, dialled_by="ctx")
         for i in range(3):
             await _transfer(pair, f"after-{i}")
-        nursery.cancel_scope.cancel()
-    mended = [r for d in (ctx, gen) for r in await _logged(d, "peer.agent_forgotten", 1)]
+    mended = [r for d in (ctx, gen) for r in await logged(d, "peer.agent_forgotten", 1)]
     assert {r["reason"] for r in mended} == {"its connection failed"}, mended
 
 
@@ -189,28 +169,17 @@ async def test_a_broken_nixl_connection_under_a_live_link_is_mended(daemon_facto
     """The UCX connections break while the peer link stays up: the link is closed (the NIXL
     connection to that peer is known to be broken), comes back with the agent loaded afresh,
     and transfers work again; only a transfer caught by the break may fail."""
-    write_secret(short_tmp)
-    gen = _start_gen(daemon_factory, short_tmp)
-    proxy = Proxy(gen.peer_port)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(proxy.serve)
-        ctx = _start_ctx(daemon_factory, short_tmp, proxy.port)
-        pair = Pair(ctx, gen)
-        await _logged(ctx, "peer.connected", 1, node="gen", dialled_by="ctx")
+    async with _linked(daemon_factory, short_tmp) as (pair, _proxy):
+        ctx, gen = pair.ctx, pair.gen
         await _transfer(pair, "before")
-        before = _established(gen)
-        assert _reset_tcp_connections(gen.pid, gen.peer_port) >= 1
-        with trio.fail_after(30):  # until gen's UCX saw its connections fail (and closed them)
-            while _established(gen) >= before:
-                await trio.sleep(0.01)  # polling the process's sockets; the condition is the sync point
+        await _break_nixl_connections(gen)
         with pytest.raises(BaseExceptionGroup) as first:  # the next transfer finds the connection broken
             await _transfer(pair, "caught")
         assert first.group_contains(KvdError, depth=None), first.value
         # the daemon that saw it closes the link; it comes back with the agent loaded afresh
-        (closed,) = await _logged(ctx, "peer.disconnected", 1, node="gen")
+        (closed,) = await logged(ctx, "peer.disconnected", 1, node="gen")
         assert closed["reason"] == NIXL_DISCONNECTED, closed
         for d, peer in ((ctx, "gen"), (gen, "ctx")):
-            await _logged(d, "peer.connected", 2, node=peer, dialled_by="ctx")
+            await logged(d, "peer.connected", 2, node=peer, dialled_by="ctx")
         for i in range(2):
             await _transfer(pair, f"after-{i}")
-        nursery.cancel_scope.cancel()

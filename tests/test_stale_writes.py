@@ -18,7 +18,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-import torch
 import trio
 
 from clients import open_client
@@ -26,7 +25,7 @@ from clients.client import AsyncClient
 from kvd.demo.launch import DaemonProcess
 from protocol.errors import BlocksInUse, KvdError, WaitTimeout
 from protocol.layout import KVLayout
-from tests.transfer_harness import start_pair, wait_for_peer
+from tests.transfer_harness import gen_progress, refill_and_watch, start_pair, wait_for_peer
 
 Factory = Callable[..., DaemonProcess]
 GEO = {"num_layers": 4, "num_kv_heads": 8, "head_dim": 64, "tokens_per_block": 16, "dtype": "bfloat16"}
@@ -57,17 +56,10 @@ except Exception as exc:
 """
 
 
-async def _gen_progress(c: AsyncClient) -> tuple[str, int]:
-    for t in await c.transfers():
-        if t.request_id == RID and t.role == "gen":
-            return t.state, t.chunks_done
-    return "", 0
-
-
 async def _until(c: AsyncClient, cond: Callable[[str, int], bool], what: str) -> tuple[str, int]:
     with trio.fail_after(30):
         while True:
-            state, chunks = await _gen_progress(c)
+            state, chunks = await gen_progress(c, RID)
             if cond(state, chunks):
                 return state, chunks
             assert state not in ("done", "failed"), f"{what}: the transfer already ended ({state})"
@@ -105,7 +97,7 @@ async def test_no_write_lands_after_failure(daemon_factory: Factory, short_tmp: 
             await _until(g, lambda _s, chunks: chunks >= 1, "no write landed")
             pair.ctx.proc.send_signal(signal.SIGSTOP)
             stopped = True
-            state, _chunks = await _gen_progress(g)
+            state, _chunks = await gen_progress(g, RID)
             assert state != "done", "the transfer ended before the sender was frozen"
 
             if fault == "gen_cancel":
@@ -121,7 +113,7 @@ async def test_no_write_lands_after_failure(daemon_factory: Factory, short_tmp: 
             with pytest.raises(BlocksInUse):
                 await g.free("gen0", ids)
             # the frozen daemon cannot tell gen about its executor yet; the other faults struck gen
-            assert (await _gen_progress(g))[0] == ("receiving" if fault == "ctx_executor_killed" else "aborting")
+            assert (await gen_progress(g, RID))[0] == ("receiving" if fault == "ctx_executor_killed" else "aborting")
 
             pair.ctx.proc.send_signal(signal.SIGCONT)
             stopped = False
@@ -139,17 +131,7 @@ async def test_no_write_lands_after_failure(daemon_factory: Factory, short_tmp: 
             sender.stdout.close()
 
         # another session takes every free block (the failed request's among them) and fills it
-        async with open_client(pair.gen.socket_path, client="next-tenant") as other:
-            pool = await other.attach("gen0")
-            free = next(p for p in await other.pools() if p.name == "gen0").blocks_free
-            mine = await other.alloc("gen0", free)
-            assert set(ids) <= set(mine)
-            view = pool.tensor.view(torch.int16)
-            index = torch.tensor(mine)
-            view[index] = PATTERN
-            await trio.sleep(2.0)  # the window the failed sender had to do harm in
-            damaged = (view[index] != PATTERN).flatten(1).any(dim=1)
-            assert not bool(damaged.any()), f"{int(damaged.sum())} of {len(mine)} blocks were overwritten"
+        await refill_and_watch(pair.gen.socket_path, "gen0", ids, PATTERN)
         # the thawed ctx daemon learns of the failure from gen or from its lost link, and logs
         # it when it does: wait for that line (it may come after gen's report)
         with trio.fail_after(30):

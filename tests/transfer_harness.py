@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import os
 import secrets
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,7 @@ from kvd.demo.launch import DaemonProcess
 from kvd.regroup.plan import plan
 from protocol.layout import KVLayout
 from protocol.messages import Completion
+from tests.tcp_proxy import Proxy
 
 
 def write_secret(directory: Path, name: str = "peer.secret") -> str:
@@ -80,6 +83,70 @@ def start_pair(
                    "peers": [{"name": "gen", "host": "127.0.0.1", "port": gen.peer_port}], **(ctx_extra or {})},
                   name="ctx")
     return Pair(ctx, gen)
+
+
+async def logged(d: DaemonProcess, event: str, count: int = 1, **fields: object) -> list[dict[str, Any]]:
+    """:meth:`DaemonProcess.logged` (30 s) from trio, in a worker thread: the event loop (a
+    :class:`Proxy` among its tasks) keeps running while the log is read."""
+    return await trio.to_thread.run_sync(partial(d.logged, event, count, 30.0, **fields))
+
+
+@asynccontextmanager
+async def proxied_pair(factory: Callable[..., DaemonProcess], workdir: Path, ctx_config: dict[str, Any],
+                       gen_config: dict[str, Any]) -> AsyncIterator[tuple[Pair, Proxy]]:
+    """A gen daemon, then a ctx daemon that dials it through a :class:`Proxy` in this process
+    (the test can cut the link), both with a fresh peer secret (``workdir/peer.secret``);
+    yields once both logged the link up (``peer.connected``, ``dialled_by="ctx"``)."""
+    secret = write_secret(workdir)
+    gen = factory({**gen_config, "peer_secret_file": secret}, name="gen")
+    proxy = Proxy(gen.peer_port)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(proxy.serve)
+        ctx = factory({**ctx_config, "peer_secret_file": secret,
+                       "peers": [{"name": "gen", "host": "127.0.0.1", "port": proxy.port}]}, name="ctx")
+        for d, peer in ((ctx, "gen"), (gen, "ctx")):
+            await logged(d, "peer.connected", 1, node=peer, dialled_by="ctx")
+        yield Pair(ctx, gen), proxy
+        nursery.cancel_scope.cancel()
+
+
+async def refill_and_watch(socket_path: str, pool: str, freed: list[int], pattern: int,
+                           window_s: float = 2.0) -> None:
+    """Another session takes every free block of ``pool`` (``freed``, a failed request's
+    blocks, among them) and fills it with ``pattern``; each must keep it for ``window_s``:
+    the window a failed sender's late write had to do harm in."""
+    async with open_client(socket_path, client="next-tenant") as other:
+        tensor = (await other.attach(pool)).tensor
+        free = next(p for p in await other.pools() if p.name == pool).blocks_free
+        mine = await other.alloc(pool, free)
+        assert set(freed) <= set(mine)
+        view = tensor.view(torch.int16)
+        index = torch.tensor(mine)
+        view[index] = pattern
+        await trio.sleep(window_s)
+        damaged = (view[index] != pattern).flatten(1).any(dim=1)
+        assert not bool(damaged.any()), f"{int(damaged.sum())} of {len(mine)} blocks were overwritten"
+
+
+async def gen_progress(client: AsyncClient, request_id: str) -> tuple[str, int]:
+    """The gen side of ``request_id`` on the client's daemon: (state, chunks landed); ("", 0)
+    while the daemon does not list it."""
+    for t in await client.transfers():
+        if t.request_id == request_id and t.role == "gen":
+            return t.state, t.chunks_done
+    return "", 0
+
+
+async def until_landed(client: AsyncClient, request_id: str) -> None:
+    """Until the gen side of ``request_id`` saw its first writes land (mid-transfer, for a
+    fault to strike); fails if the transfer ended first."""
+    with trio.fail_after(30):
+        while True:
+            state, chunks = await gen_progress(client, request_id)
+            if chunks >= 1:
+                return
+            assert state not in ("done", "failed"), f"the transfer ended before any write landed ({state})"
+            await trio.sleep(0.005)  # polling the daemon's reply; the condition is the sync point
 
 
 async def wait_for_peer(client: AsyncClient, timeout: float = 20.0) -> None:

@@ -10,13 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
-import trio
 
 from kvd.demo.launch import DaemonProcess
 from protocol.layout import KVLayout
-from tests.tcp_proxy import Proxy
-from tests.test_peer_link_flap import TRANSFER, _established, _logged
-from tests.transfer_harness import Pair, assert_exact, pools_for, run_transfer, write_secret
+from tests.test_peer_link_flap import TRANSFER, _established
+from tests.transfer_harness import assert_exact, logged, pools_for, proxied_pair, run_transfer
 
 pytestmark = [
     pytest.mark.gpu,
@@ -33,27 +31,19 @@ async def test_gpu_link_flaps_leave_no_connections_behind(daemon_factory: Callab
     ctx_layout = KVLayout(**GEO)  # type: ignore[arg-type]
     gen_layout = ctx_layout if path == "direct" else KVLayout(**GEO, tp_size=2)  # type: ignore[arg-type]
     gen_device = 1 if torch.cuda.device_count() > 1 else 0
-    secret = write_secret(short_tmp)
-    gen = daemon_factory({"pools": pools_for("gen", gen_layout, 32, memory="auto", device=gen_device),
-                          "peer_secret_file": secret, "transfer": TRANSFER}, name="gen")
-    proxy = Proxy(gen.peer_port)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(proxy.serve)
-        ctx = daemon_factory({"pools": pools_for("ctx", ctx_layout, 32, memory="auto", device=0),
-                              "peer_secret_file": secret, "transfer": TRANSFER,
-                              "peers": [{"name": "gen", "host": "127.0.0.1", "port": proxy.port}]}, name="ctx")
-        pair = Pair(ctx, gen)
-        await _logged(ctx, "peer.connected", 1, node="gen", dialled_by="ctx")
+    ctx_config = {"pools": pools_for("ctx", ctx_layout, 32, memory="auto", device=0), "transfer": TRANSFER}
+    gen_config = {"pools": pools_for("gen", gen_layout, 32, memory="auto", device=gen_device), "transfer": TRANSFER}
+    async with proxied_pair(daemon_factory, short_tmp, ctx_config, gen_config) as (pair, proxy):
+        ctx, gen = pair.ctx, pair.gen
         counts = []
         for cycle in range(CYCLES + 1):
             if cycle:
                 assert proxy.cut() == 1
                 for d, peer in ((ctx, "gen"), (gen, "ctx")):
-                    await _logged(d, "peer.disconnected", cycle, node=peer)
-                    await _logged(d, "peer.connected", cycle + 1, node=peer, dialled_by="ctx")
+                    await logged(d, "peer.disconnected", cycle, node=peer)
+                    await logged(d, "peer.connected", cycle + 1, node=peer, dialled_by="ctx")
             out = await run_transfer(pair, ctx_layout, gen_layout, request_id=f"gpu-flap-{cycle}", blocks=8)
             assert_exact(out, gen_layout)
             assert {c.path for c in out.gen.values()} == {path}
             counts.append((_established(ctx), _established(gen)))
-        nursery.cancel_scope.cancel()
     assert counts == [counts[0]] * (CYCLES + 1), f"established TCP connections (ctx, gen) per cycle: {counts}"
