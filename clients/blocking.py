@@ -15,7 +15,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import TracebackType
 from typing import TYPE_CHECKING, TypeVar
 
@@ -36,11 +36,12 @@ from clients._wire import (
 )
 from protocol import messages as m
 from protocol.codec import decode_reply
-from protocol.errors import BadRequest, ConnectionClosed, error_from_code
+from protocol.errors import BadRequest, ConnectionClosed, KvdError, error_from_code
 from protocol.framing import DEFAULT_MAX_FRAME_SIZE, FrameBuffer
 from protocol.layout import KVLayout
 
 if TYPE_CHECKING:  # clients.attach imports torch: only attach() needs it (kvctl starts fast)
+    from clients._words import PageWatch
     from clients.attach import MappedPool
 
 T = TypeVar("T", bound=m.Message)
@@ -61,11 +62,14 @@ class Client:
     (default 0: sleep at once). A thread with a core to itself (a serving engine's executor
     waiting for its KV) then takes a reply that comes within ``spin_s`` without a scheduler
     wake-up, which on some hosts costs a few hundred microseconds (see docs/performance.md);
-    a longer wait sleeps as before, having burnt ``spin_s`` of CPU.
+    a longer wait sleeps as before, having burnt ``spin_s`` of CPU. ``completion_page`` (with
+    ``spin_s`` > 0): map the daemon's completion page and, while spinning, take a request that
+    the page says is done without waiting for its reply (``kvd.mapping.words``; off by default:
+    on the one host measured it did not make requests faster, docs/performance.md).
     """
 
     def __init__(self, path: str | None = None, *, client: str = "", timeout: float | None = None,
-                 spin_s: float = 0.0) -> None:
+                 spin_s: float = 0.0, completion_page: bool = False) -> None:
         if isinstance(spin_s, bool) or not isinstance(spin_s, int | float) or not 0 <= spin_s <= MAX_SPIN_S:
             raise BadRequest(f"spin_s must be a number of seconds >= 0 and at most {MAX_SPIN_S:g}, got {spin_s!r}; "
                              "0 sleeps at once")
@@ -84,11 +88,15 @@ class Client:
         self._ids = itertools.count(1)
         self._frames = FrameBuffer(DEFAULT_MAX_FRAME_SIZE)
         self._ready: list[tuple[m.Message, list[int]]] = []
+        self._page: PageWatch | None = None  # the daemon's completion page, while spinning
+        self._owed = b""  # waits for requests the page completed: they go with the next write
         try:
             self.welcome = self._call(
                 m.Hello(id=self._id(), version=m.PROTOCOL_VERSION, client=client or f"pid{os.getpid()}", pid=os.getpid()),
                 m.Welcome,
             )
+            if self._spin_s > 0 and completion_page:
+                self._page = self._attach_words()
         except BaseException:
             self._sock.close()
             raise
@@ -105,6 +113,26 @@ class Client:
         """End the session (the daemon returns its leases)."""
         self._closed = True
         self._sock.close()
+        if self._page is not None:
+            self._page.close()
+            self._page = None
+
+    @property
+    def page_completions(self) -> int:
+        """Waits this client answered from the daemon's completion page (``spin_s`` > 0),
+        without waiting for the ``Completion`` reply."""
+        return self._page.seen if self._page is not None else 0
+
+    def _attach_words(self) -> PageWatch | None:
+        """Map the daemon's completion page (read-only); None when the daemon has none to
+        give (an older kvd): waits then use the socket alone."""
+        from clients._words import PageWatch
+
+        try:
+            reply, fds = self._call_with_fds(m.AttachWords(id=self._id()), m.WordsAttached)
+        except KvdError:
+            return None
+        return PageWatch.open(reply, fds)
 
     @property
     def daemon_pid(self) -> int:
@@ -125,10 +153,10 @@ class Client:
     def _id(self) -> int:
         return next(self._ids)
 
-    def _receive(self) -> tuple[m.Message, list[int]]:
+    def _receive(self, seen: Callable[[], m.Completion | None] | None = None) -> tuple[m.Message, list[int]]:
         while not self._ready:
             try:
-                data, anc = self._recvmsg()
+                data, anc = self._recvmsg(seen)
             except TimeoutError:
                 # the connection is fine (the late reply is dropped when it comes): say which
                 # limit ran out, not "the connection broke"
@@ -146,10 +174,12 @@ class Client:
                 self._ready.append((decode_reply(payload), fds if i == 0 else []))
         return self._ready.pop(0)
 
-    def _recvmsg(self) -> tuple[bytes, list[tuple[int, int, bytes]]]:
+    def _recvmsg(self, seen: Callable[[], m.Completion | None] | None = None,
+                 ) -> tuple[bytes, list[tuple[int, int, bytes]]]:
         """Bytes and ancillary data from the socket: polled for up to ``spin_s`` first (the
         socket non-blocking meanwhile: a socket with a timeout would wait in ``poll`` before
-        each read), then a blocking read under the socket's timeout."""
+        each read), then a blocking read under the socket's timeout. ``seen``: asked between
+        polls; a completion it returns ends the read (:class:`_PageSaidDone`)."""
         if self._spin_s > 0:
             end = time.perf_counter() + self._spin_s
             timeout = self._sock.gettimeout()
@@ -160,6 +190,10 @@ class Client:
                         data, anc, _flags, _addr = self._sock.recvmsg(65536, ANCILLARY_SIZE)
                         return data, anc
                     except BlockingIOError:
+                        if seen is not None:
+                            done = seen()
+                            if done is not None:
+                                raise _PageSaidDone(done) from None
                         if time.perf_counter() >= end:
                             break
             finally:
@@ -179,7 +213,10 @@ class Client:
             raise
 
     def _send(self, data: bytes) -> None:
-        """Write ``data`` (whole frames) to the daemon; called with the lock held."""
+        """Write ``data`` (whole frames) to the daemon, after the waits owed for requests the
+        completion page answered (their replies are dropped); called with the lock held."""
+        if self._owed:
+            data, self._owed = self._owed + data, b""
         try:
             self._sock.sendall(data)
         except OSError as exc:
@@ -190,11 +227,12 @@ class Client:
         (a call that gave up). A subclass keeps replies of its own here."""
         return False
 
-    def _receive_reply(self, request_id: int) -> tuple[m.Message, list[int]]:
+    def _receive_reply(self, request_id: int, seen: Callable[[], m.Completion | None] | None = None,
+                       ) -> tuple[m.Message, list[int]]:
         """The reply to ``request_id``; other replies go to :meth:`_route`, and are dropped
-        when it does not take them."""
+        when it does not take them. ``seen``: see :meth:`_recvmsg`."""
         while True:
-            reply, fds = self._receive()
+            reply, fds = self._receive(seen)
             if reply.id == request_id:
                 return reply, fds
             if self._route(reply):
@@ -213,10 +251,35 @@ class Client:
             registered, fds = self._receive_reply(msg.id)
             _close_all(fds)
             # a refused registration raises here; its wait's reply (an error) is dropped later
-            check_reply(registered, m.Registered)
-            reply, fds = self._receive_reply(wait.id)
-            _close_all(fds)
-        return completion_or_raise(check_reply(reply, m.Completion))
+            self._noted(check_reply(registered, m.Registered), msg.peer)
+            reply = self._wait_reply(wait)
+        return completion_or_raise(reply)
+
+    def _noted(self, reply: m.Registered, peer: str) -> None:
+        if self._page is not None:
+            self._page.note(reply, peer)
+
+    def _wait_reply(self, wait: m.Wait) -> m.Completion:
+        """The outcome of ``wait`` (sent already): its reply, or while spinning, the completion
+        page's word when it comes first (the reply is then dropped when it comes). Called with
+        the lock held."""
+        page = self._page
+        seen = None
+        if page is not None and page.watching(wait.request_id):
+            rid = wait.request_id
+
+            def seen() -> m.Completion | None:
+                return page.done(rid)
+
+        try:
+            reply, fds = self._receive_reply(wait.id, seen)
+        except _PageSaidDone as done:
+            return done.completion
+        finally:
+            if page is not None:
+                page.forget(wait.request_id)
+        _close_all(fds)
+        return check_reply(reply, m.Completion)
 
     @contextlib.contextmanager
     def _patience(self, wait_s: float | None) -> Iterator[None]:
@@ -322,7 +385,7 @@ class Client:
         once registered; :meth:`wait` gives the outcome. Refused at once as :meth:`publish` is.
         """
         msg = expect_request(self._id(), request_id, pool, layout, rank, block_ids, ranks, deadline_s, peer)
-        self._call(msg, m.Registered)
+        self._noted(self._call(msg, m.Registered), peer)
 
     def publish(
         self,
@@ -346,7 +409,7 @@ class Client:
         with ``PeerUnavailable``.
         """
         msg = publish_request(self._id(), request_id, pool, layout, rank, block_ids, peer, ranks, deadline_s)
-        self._call(msg, m.Registered)
+        self._noted(self._call(msg, m.Registered), peer)
 
     def expect_and_wait(
         self,
@@ -392,13 +455,27 @@ class Client:
         wait for the same request raises ``NotFound`` saying it ended.
         """
         msg = wait_request(self._id(), request_id, timeout_s)
-        with self._lock, self._patience(timeout_s):  # the lock is reentrant: _call takes it too
-            reply = self._call(msg, m.Completion)
+        with self._lock, self._patience(timeout_s):
+            page = self._page
+            done = page.done(request_id) if page is not None else None
+            if done is not None:  # done already: its wait goes with the next write, to collect it
+                self._owed += encode_request(msg)
+                return done
+            self._send(encode_request(msg))
+            reply = self._wait_reply(msg)
         return completion_or_raise(reply)
 
     def cancel(self, request_id: str, *, force: bool = False) -> None:
         """Cancel a request this session registered (``force``: an operator cancelling any)."""
         self._call(m.Cancel(id=self._id(), request_id=request_id, force=force), m.Ok)
+
+
+class _PageSaidDone(Exception):
+    """The completion page said the awaited request is done (ends a spinning read)."""
+
+    def __init__(self, completion: m.Completion) -> None:
+        super().__init__(completion.request_id)
+        self.completion = completion
 
 
 def _close_all(fds: list[int]) -> None:

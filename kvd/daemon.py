@@ -21,6 +21,7 @@ import structlog
 import trio
 
 from kvd.config import Config, LimitsConfig, config_to_json
+from kvd.mapping.words import SLOT_WORDS
 from kvd.ops.history import TransferHistory
 from kvd.ops.peers import peer_infos
 from protocol import messages as m
@@ -208,6 +209,13 @@ class Daemon:
                 raise PermissionDenied(f"drain needs an operator: {self.access.operator_rule()}")
             self.request_stop("drain requested by client", session)
             return m.Ok(id=msg.id), []
+        if isinstance(msg, m.AttachWords):
+            words = self._engine().words
+            if msg.writable and not session.operator:
+                raise PermissionDenied("a writable completion page is for same-node peer daemons: "
+                                       f"{self.access.operator_rule()}")
+            fd = words.fd if msg.writable else words.read_only_fd
+            return m.WordsAttached(id=msg.id, slots=words.slots, slot_words=SLOT_WORDS), [fd]
         if isinstance(msg, m.AttachPool):
             attached, fds = self.pool(msg.pool).attach_reply(msg.id, sessions=self._pool_sessions(msg.pool))
             log.info("pool.attached", pool=msg.pool, kind=attached.handle_kind)
@@ -236,9 +244,9 @@ class Daemon:
             )
         self._check_geometry(msg)
         engine = self._engine()
-        await engine.register(session, msg)
+        word, token = await engine.register(session, msg)
         self.counters.requests_registered += 1
-        return m.Registered(id=msg.id, request_id=msg.request_id)
+        return m.Registered(id=msg.id, request_id=msg.request_id, word=word, token=token)
 
     def after_reply(self) -> None:
         """Work the request just handled left for after its reply (see

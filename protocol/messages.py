@@ -238,6 +238,15 @@ class GetConfig(Message, frozen=True, tag="get_config"):
     pass
 
 
+class AttachWords(Message, frozen=True, tag="attach_words"):
+    """Map the daemon's completion page (answered by ``WordsAttached`` with its fd): a
+    spinning executor sees its request done there before the ``Completion`` reply comes
+    (``kvd.mapping.words``). ``writable``: for a same-node peer daemon whose GPU stores
+    tokens into it (operators only: root, the daemon's uid, ``[access] operator_gids``)."""
+
+    writable: bool = False
+
+
 Request = (
     Hello
     | AttachPool
@@ -255,6 +264,7 @@ Request = (
     | ListPeers
     | Drain
     | GetConfig
+    | AttachWords
 )
 
 
@@ -292,7 +302,20 @@ class Freed(Message, frozen=True, tag="freed"):
 
 
 class Registered(Message, frozen=True, tag="registered"):
+    """The registration was taken. ``word``/``token``: the request side's slot of the
+    completion page and the token it will hold once the side is done (-1: no slot)."""
+
     request_id: str
+    word: int = -1
+    token: int = 0
+
+
+class WordsAttached(Message, frozen=True, tag="words_attached"):
+    """The completion page: its fd arrives with this frame (SCM_RIGHTS); ``slots`` slots of
+    ``slot_words`` uint64 words each."""
+
+    slots: int
+    slot_words: int
 
 
 class Completion(Message, frozen=True, tag="completion"):
@@ -361,6 +384,7 @@ Reply = (
     | Allocated
     | Freed
     | Registered
+    | WordsAttached
     | Completion
     | Pong
     | StatsReply

@@ -68,6 +68,9 @@ from protocol.limits import (
 #: Rank -> that rank's block ids (at most MAX_WORLD_SIZE ranks).
 RankBlocks = Annotated[dict[Rank, BlockIds], msgspec.Meta(max_length=MAX_WORLD_SIZE)]
 Slot = Annotated[int, msgspec.Meta(ge=0, lt=MAX_SLOTS)]
+#: A slot of gen's completion page (kvd.mapping.words; -1: none) and the token it will hold.
+Word = Annotated[int, msgspec.Meta(ge=-1, lt=1 << 24)]
+Token = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
 #: Receive slots granted with a destination (a few).
 Slots = Annotated[list[Slot], msgspec.Meta(max_length=64)]
 
@@ -101,6 +104,10 @@ class XferAccept(XferMessage, frozen=True, tag="xfer_accept"):
     pool_names: Annotated[dict[Rank, Name], msgspec.Meta(max_length=MAX_WORLD_SIZE)] = {}
     slots: Slots = []  # receive slots granted up front (bounce path)
     chunking: Name = ""  # CHUNKING_RANGES: gen scatters the chunks XferPath.chunk_bytes cuts ("" = older daemon)
+    # gen's completion slot and token: on the mapped path ctx's GPU stores the token there
+    # after its kernel, and gen's spinning executors are done (-1: no slot)
+    word: Word = -1
+    token: Token = 0
 
 
 class XferAnnounce(XferMessage, frozen=True, tag="xfer_announce"):
@@ -113,6 +120,8 @@ class XferAnnounce(XferMessage, frozen=True, tag="xfer_announce"):
     slots: Slots = []  # receive slots granted up front (bounce path)
     deadline_s: TimeoutS = 0.0  # seconds left on the gen side when sent (0 = ctx's own deadline)
     chunking: Name = ""  # as XferAccept.chunking
+    word: Word = -1  # as XferAccept.word
+    token: Token = 0
 
 
 class XferGrant(XferMessage, frozen=True, tag="xfer_grant"):

@@ -408,6 +408,8 @@ TRANSITIONS: dict[Role, dict[State, dict[type[Event], State]]] = {
         _S.IDLE: {
             RankRegistered: _S.REGISTERING, SideComplete: _S.READY,
             OfferReceived: _S.OFFERED, PathReceived: _S.SENDING,
+            # gen saw ctx's GPU store its completion token before ctx's path message came
+            LandedSeen: _S.DONE,
             FailReceived: _S.FAILED, **_FAILURES,
         },
         _S.REGISTERING: {
@@ -423,7 +425,9 @@ TRANSITIONS: dict[Role, dict[State, dict[type[Event], State]]] = {
         },
         # DataDoneReceived in DONE: the confirmation after LandedSeen (a duplicate otherwise:
         # refused by its effects)
-        _S.DONE: {FailReceived: _S.DONE, **_keep(_S.DONE, Cancel, Disconnect, LandedSeen, DataDoneReceived)},
+        # PathReceived in DONE: the path message after gen saw the completion token
+        _S.DONE: {FailReceived: _S.DONE, **_keep(_S.DONE, Cancel, Disconnect, LandedSeen, DataDoneReceived,
+                                                  PathReceived)},
         _S.ABORTING: {
             **_keep(_S.ABORTING, WriteEnded, PathChosen, Cancel, Disconnect, LocalFailure, LandedSeen),
             FailReceived: _S.FAILED,
@@ -713,6 +717,10 @@ class TransferMachine:
     def _on_path_received(self, event: PathReceived, side: SideState, new: State, out: list[Action]) -> None:
         if not self.dest_out:
             raise RemoteProtocolError("ctx announced a path before gen handed out its destination")
+        if side.state is _DONE:
+            if event.path is not Path.MAPPED or not self.landed:
+                raise RemoteProtocolError(f"XferPath ({event.path.value}) for a ctx side that is done already")
+            return  # the path message of a request gen saw land (the completion token) first
         self.path = event.path
         if self.gen.state in (_DEST_OUT, _RECEIVING):
             self.gen.state = _RECEIVING
@@ -765,7 +773,13 @@ class TransferMachine:
         self._set(side, new)
 
     def _on_landed_seen(self, event: LandedSeen, side: SideState, new: State, out: list[Action]) -> None:
-        if side.state is _SENDING:
+        if side.state is _IDLE:
+            # only the mapped path's kernel stores gen's completion token, and only into a
+            # destination gen handed out
+            if not self.dest_out or self.path not in (None, Path.MAPPED):
+                raise LocalProtocolError("a landed request before gen handed out its destination")
+            self.path = Path.MAPPED
+        if side.state is _SENDING or side.state is _IDLE:
             if self.path is not Path.MAPPED:
                 raise LocalProtocolError(f"a landed event on the {self.path.value if self.path else 'unknown'} "
                                          "path (only the mapped path's kernel records one)")

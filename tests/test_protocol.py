@@ -100,6 +100,7 @@ REQUESTS: list[m.Message] = [
     m.ListPeers(id=16),
     m.Drain(id=14),
     m.GetConfig(id=15),
+    m.AttachWords(id=16, writable=True),
 ]
 
 #: One instance of every reply.
@@ -164,6 +165,7 @@ REPLIES: list[m.Message] = [
     m.ConfigReply(id=12, config_json='{"node": "n"}'),
     m.Ok(id=13),
     m.Error(id=14, code="out_of_blocks", message="no"),
+    m.WordsAttached(id=15, slots=8192, slot_words=4),
 ]
 
 

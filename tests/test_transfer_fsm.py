@@ -120,6 +120,8 @@ def test_every_state_every_event(role: Role, hosted: bool, state: State, etype: 
         pre = LocalProtocolError  # no new write once ctx began aborting
     if etype is DataDoneReceived and role is CTX and state is State.DONE and pre is None:
         pre = RemoteProtocolError  # a second XferDone (only a landed event's confirmation is kept)
+    if etype is PathReceived and role is CTX and state is State.DONE and pre is None:
+        pre = RemoteProtocolError  # kept only after gen saw the request land (a completion token)
     if pre is not None:
         with pytest.raises(pre):
             m.handle(make(role)(etype))
@@ -141,6 +143,28 @@ def test_table_covers_every_state_of_both_roles() -> None:
 
 
 # --- the flows ------------------------------------------------------------------------------
+
+
+def test_gen_done_from_the_completion_token_before_the_path_message() -> None:
+    """ctx's GPU stored gen's completion token (mapped path) before ctx's path message came:
+    gen is done; the path message, when it comes, changes nothing; another path is refused."""
+    gen = TransferMachine(here={GEN})
+    gen.handle(SideComplete(GEN, deadline=12.0, peer_named=True))
+    out = gen.handle(LandedSeen(CTX, 4096))
+    assert gen.state(GEN) is State.DONE and gen.state(CTX) is State.DONE and gen.path is Path.MAPPED
+    assert [type(a).__name__ for a in out] == ["Report"] and out[0].ok  # type: ignore[attr-defined]
+    assert gen.handle(PathReceived(CTX, Path.MAPPED)) == []
+    assert gen.handle(DataDoneReceived(CTX, 0, 4096)) == []  # the confirmation that follows
+    assert gen.state(GEN) is State.DONE
+    other = TransferMachine(here={GEN})
+    other.handle(SideComplete(GEN, deadline=12.0, peer_named=True))
+    other.handle(LandedSeen(CTX, 4096))
+    with pytest.raises(RemoteProtocolError, match="done already"):
+        other.handle(PathReceived(CTX, Path.BOUNCE))
+    early = TransferMachine(here={GEN})  # no destination handed out: no token could be stored
+    early.handle(RankRegistered(GEN, deadline=12.0))
+    with pytest.raises(LocalProtocolError, match="before gen handed out its destination"):
+        early.handle(LandedSeen(CTX, 4096))
 
 
 def test_gen_announces_and_publish_starts_with_zero_round_trips() -> None:
@@ -235,10 +259,8 @@ def test_a_landed_event_is_only_gens_view_of_a_mapped_ctx_side() -> None:
     bounce = _gen_receiving()  # the direct path: NIXL writes, no kernel event
     with pytest.raises(LocalProtocolError):
         bounce.handle(LandedSeen(CTX))
-    early = TransferMachine(here={GEN})
-    early.handle(SideComplete(GEN, peer_named=True))
-    with pytest.raises(LocalProtocolError):  # ctx named no event before its path message
-        early.handle(LandedSeen(CTX))
+    # (before ctx's path message, a landed request is what gen's completion token says:
+    # test_gen_done_from_the_completion_token_before_the_path_message)
 
 
 def test_gen_cancelled_while_the_kernel_runs_reports_once_the_event_says_it_landed() -> None:

@@ -70,7 +70,8 @@ def child(args: argparse.Namespace) -> None:
     out: dict[str, Any] = {}
     try:
         lat._wait_for_link(gen_d)
-        ex = lat._Executors(ctx_d, gen_d, args.blocks)
+        ex = (lat._Executors(ctx_d, gen_d, args.blocks, None, args.client_spin_s) if args.client_spin_s > 0
+              else lat._Executors(ctx_d, gen_d, args.blocks))
         try:
             for i in range(WARMUP):
                 ex.once(f"warm-g{i}", True)
@@ -117,7 +118,8 @@ def _round(tree: str, args: argparse.Namespace, name: str) -> dict[str, Any]:
     env = round_env(args, name, tree)
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--tree", str(Path(tree).resolve()), "--geometry", args.geometry,
            "--blocks", str(args.blocks), "--repeat", str(args.repeat), "--orders", args.orders,
-           "--memory", args.memory, "--device", str(args.device), "--busy-poll", args.busy_poll]
+           "--memory", args.memory, "--device", str(args.device), "--busy-poll", args.busy_poll,
+           "--client-spin-s", str(args.client_spin_s)]
     if args.gen_device is not None:
         cmd += ["--gen-device", str(args.gen_device)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd="/tmp", timeout=args.round_timeout)
@@ -144,6 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", type=int, default=-1, help="ctx pools' GPU (-1: host; default -1)")
     parser.add_argument("--gen-device", type=int, default=None, help="gen pools' GPU (default: --device)")
     parser.add_argument("--busy-poll", default="", help="both daemons' transfer.busy_poll (default: the tree's own)")
+    parser.add_argument("--client-spin-s", type=float, default=0.0,
+                        help="every executor's Client(spin_s=) (default 0: waits sleep at once; a spinning "
+                             "executor also reads the completion page of trees that have one)")
     parser.add_argument("--pythonpath", default="", help="put in front of each tree on PYTHONPATH (installed wheels)")
     parser.add_argument("--env-old", action="append", default=[], metavar="KEY=VALUE",
                         help="set in the old tree's rounds, daemons included (repeatable; default none): with the "

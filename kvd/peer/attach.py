@@ -11,8 +11,12 @@ from __future__ import annotations
 import array
 import os
 import socket
+from collections import deque
+from dataclasses import dataclass
 
 from kvd.mapping.attach import MappedPool, map_pool
+from kvd.mapping.words import SLOT_WORDS, WordsView
+from kvd.regroup import signal
 from protocol import messages as m
 from protocol.codec import decode_reply, encode
 from protocol.errors import ConnectionClosed, ProtocolError, error_from_code
@@ -113,3 +117,57 @@ def attach_peer_pools(socket_path: str, names: list[str], me: str, timeout: floa
     finally:
         s.close()
     return mapped
+
+
+@dataclass
+class PeerWords:
+    """A same-node peer's completion page, mapped here writable and registered with CUDA: the
+    mapped path's kernel stream stores gen's completion tokens into it (:mod:`kvd.regroup.signal`)."""
+
+    view: WordsView
+    device_ptr: int
+
+    @property
+    def slots(self) -> int:
+        return self.view.slots
+
+
+#: Pages of ended links kept registered: a store enqueued for one may still be pending when
+#: its link ends, so a page is unregistered only after this many later ones ended.
+_RETIRED_KEEP = 32
+_retired: deque[PeerWords] = deque()
+
+
+def attach_peer_words(socket_path: str, me: str, device: int, timeout: float = 10.0) -> PeerWords:
+    """Map the peer's completion page (writable: this daemon runs as an operator there) and
+    register it with CUDA on ``device``. Blocking (a worker thread's); raises
+    :class:`~protocol.errors.KvdError` (or the driver's :class:`KernelError`) when it cannot."""
+    s = _Session(socket_path, timeout)
+    try:
+        welcome, stray = s.call(m.Hello(id=s.id(), version=m.PROTOCOL_VERSION, client=f"kvd-peer:{me}", pid=os.getpid()))
+        _close(stray)
+        if not isinstance(welcome, m.Welcome):
+            raise ProtocolError(f"peer answered Hello with {type(welcome).__name__}")
+        reply, fds = s.call(m.AttachWords(id=s.id(), writable=True))
+        try:
+            if not isinstance(reply, m.WordsAttached) or len(fds) != 1 or reply.slot_words != SLOT_WORDS:
+                raise ProtocolError(f"peer answered AttachWords with {type(reply).__name__} and {len(fds)} fds")
+            view = WordsView(fds[0], reply.slots, writable=True)
+        finally:
+            _close(fds)
+    finally:
+        s.close()
+    try:
+        return PeerWords(view, signal.register_host(view.address, view.nbytes, device))
+    except BaseException:
+        view.close()
+        raise
+
+
+def retire_peer_words(words: PeerWords) -> None:
+    """A link that used ``words`` ended: unregistered and unmapped later (see :data:`_RETIRED_KEEP`)."""
+    _retired.append(words)
+    while len(_retired) > _RETIRED_KEEP:
+        old = _retired.popleft()
+        signal.unregister_host(old.view.address)
+        old.view.close()

@@ -27,7 +27,7 @@ import trio
 from kvd.ops.accept import accept_loop
 from kvd.ops.throttle import Throttle
 from kvd.peer import accept_peer, connect_with_backoff, load_secret, open_peer, run_heartbeats
-from kvd.peer.attach import attach_peer_pools
+from kvd.peer.attach import PeerWords, attach_peer_pools, attach_peer_words, retire_peer_words
 from kvd.peer.kept_agents import CONNECTION_FAILED, Forget, KeptAgents
 from kvd.peer.retry import Backoff
 from kvd.startup import bind_failed
@@ -98,6 +98,8 @@ class PeerLink:
         self.closed = trio.Event()
         #: The peer's pools mapped into this process (same node only), by pool name.
         self.mapped: dict[str, MappedPool] = {}
+        #: The peer's completion page mapped here for our GPU (same node, GPU pools), or None.
+        self.words: PeerWords | None = None
 
     @property
     def takes_nowait(self) -> bool:
@@ -458,6 +460,7 @@ class PeerLinks:
                     log.info("peer.pools_mapped", node=node, pools=sorted(link.mapped))
                 except KvdError as exc:  # e.g. another mount namespace: fall back to NIXL, say so
                     log.warning("peer.pools_not_mapped", node=node, error=str(exc))
+                await self._attach_words(link, welcome.socket_path)
             self.links[node] = link
         self.seen.add(node)
         self.last_error.pop(node, None)
@@ -520,7 +523,22 @@ class PeerLinks:
                 await conn.aclose()
                 for pool in link.mapped.values():
                     pool.close()
+                if link.words is not None:
+                    retire_peer_words(link.words)
                 link.closed.set()
+
+    async def _attach_words(self, link: PeerLink, socket_path: str) -> None:
+        """The peer's completion page, when its pools are mapped here on a GPU: our kernel
+        stream then stores gen's completion tokens there (speed only: without it, gen's
+        executors wait for their replies)."""
+        devices = sorted({p.device for p in link.mapped.values() if p.device >= 0})
+        if not devices:
+            return
+        try:
+            link.words = await trio.to_thread.run_sync(attach_peer_words, socket_path, self.config.node, devices[0])
+        except Exception as exc:  # an older kvd, a driver that will not register it: say so
+            log.warning("peer.completion_page_not_mapped", node=link.node, error=str(exc),
+                        fallback="gen executors wait for their replies")
 
     def _load_agent(self, metadata: bytes, kept: bool) -> tuple[str, bool]:
         """Load a linking peer's agent (in a worker thread); ``kept``: an agent of that name is

@@ -149,6 +149,11 @@ def prepared(device: int) -> bool:
     return device in _rings
 
 
+def ring_of(device: int) -> LandedRing | None:
+    """``device``'s ring, if it has one (prepared and available)."""
+    return _rings.get(device)
+
+
 def take(device: int, stream: int) -> tuple[Any, LandedMark] | None:
     """:meth:`LandedRing.take` on ``device``'s ring; None as :func:`record`."""
     ring = _rings.get(device)

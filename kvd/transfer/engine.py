@@ -38,6 +38,7 @@ from kvd.ops.throttle import Throttle
 from kvd.transfer.requests import Side, add_registration
 from kvd.transfer.timers import DueHeap
 from kvd.transfer.transfer import Env, Transfer
+from kvd.transfer.words import CompletionPage
 from protocol import messages as m
 from protocol import transfer as x
 from protocol import transfer_fsm as f
@@ -88,6 +89,8 @@ class Engine:
         self._by_session: dict[int, dict[str, Transfer]] = {}
         self._busy: dict[str, dict[int, Transfer]] = {}  # pool -> block -> unfinished request
         self.transport: Transport | None = None
+        #: the completion page: executors (and same-node peers' GPUs) see sides done there
+        self.words = CompletionPage()
         self.links: PeerLinks | None = None
         self.peer_port = 0
         self._nursery: trio.Nursery | None = None
@@ -126,7 +129,7 @@ class Engine:
                         staging=self._staging, on_report=self._on_report, after_report=self._after_report,
                         on_finished=self._on_finished,
                         on_nixl=self._on_nixl, after_reply=self._defer, spawn=self._spawn,
-                        watch=self._watch_deadline)
+                        watch=self._watch_deadline, words=self.words)
 
     # -- lifecycle --------------------------------------------------------------------------
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -139,6 +142,7 @@ class Engine:
         slots = max(1, (self.cfg.bounce_size_mb << 20) // chunk)
         transport = await trio.to_thread.run_sync(partial(setup_transport, self.daemon, chunk, slots))
         self.transport = transport
+        await self._register_words()
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
@@ -160,6 +164,22 @@ class Engine:
         finally:
             with trio.CancelScope(shield=True):
                 await trio.to_thread.run_sync(transport.close)
+
+    async def _register_words(self) -> None:
+        """With GPU pools: the completion page registered with CUDA, so the mapped path's
+        kernel stream can store our ctx executors' tokens (speed only: logged if refused)."""
+        devices = sorted({p.device for p in self.daemon.pools.values() if p.device >= 0})
+        if not devices:
+            return
+        from kvd.regroup import signal
+
+        view = self.words.view
+        try:
+            self.words.device_ptr = await trio.to_thread.run_sync(signal.register_host, view.address, view.nbytes,
+                                                                  devices[0])
+        except Exception as exc:
+            log.warning("transfer.completion_page_not_registered", error=str(exc),
+                        fallback="ctx executors wait for their replies")
 
     async def _busy_poll(self) -> None:
         """While a request is unfinished, keep the event loop from sleeping in the kernel: each
@@ -276,8 +296,9 @@ class Engine:
             return ended
         return "", unmatched
 
-    async def register(self, session: Session, msg: m.Expect | m.Publish) -> None:
-        """Add one rank's registration; raises (changing nothing) when it is refused."""
+    async def register(self, session: Session, msg: m.Expect | m.Publish) -> tuple[int, int]:
+        """Add one rank's registration; raises (changing nothing) when it is refused. Returns
+        the side's completion slot and token (:mod:`kvd.transfer.words`; -1, 0: none)."""
         role = _GEN if isinstance(msg, m.Expect) else _CTX
         rid = msg.request_id
         pool = self.daemon.pool(msg.pool)
@@ -309,6 +330,7 @@ class Engine:
         if busy is None:
             busy = self._busy[pool.name] = {}
         if not busy.keys().isdisjoint(msg.block_ids):
+            self._settle_holders(busy, msg.block_ids)
             for b in msg.block_ids:
                 holder = busy.get(b)
                 if holder is not None and holder is not t:
@@ -329,6 +351,8 @@ class Engine:
                 self.transfers.pop(t.key, None)
                 t.peer = self.node
                 self.transfers[t.key] = t
+        if side.word < 0:
+            side.word, side.token = self.words.take()
         t.sides[role] = side
         self._claim(t)
         complete = side.complete
@@ -354,6 +378,7 @@ class Engine:
             t.feed(event)
         finally:
             self._after_reply = None
+        return side.word, side.token
 
     def _defer(self, fn: Callable[[], None]) -> bool:
         if self._after_reply is None:
@@ -492,9 +517,19 @@ class Engine:
         for role in roles:
             t.feed(f.Cancel(role, f"request {rid!r} cancelled by " + ("an operator" if msg.force else "client")))
 
+    def _settle_holders(self, held: dict[int, Transfer], block_ids: list[int]) -> None:
+        """The unfinished requests holding some of ``block_ids`` that are done in truth (their
+        completion token was stored by a GPU: the executor may have seen it and reuse its
+        blocks) report now, handing their blocks back, before a registration or free is refused."""
+        holders = {t for b in block_ids if (t := held.get(b)) is not None}
+        for t in holders:
+            t.settle_tokens()
+
     def check_not_in_flight(self, session: Session, pool: str, block_ids: list[int]) -> None:
         """Refuse to free blocks that a registered, unfinished request still reads or writes."""
         held = self._busy.get(pool, {})
+        if not held.keys().isdisjoint(block_ids):
+            self._settle_holders(held, block_ids)
         for b in block_ids:
             t = held.get(b)
             if t is not None:
@@ -589,7 +624,9 @@ class Engine:
         """A side reported, before its executors' replies: a failure is logged first (an
         executor told of it, or a test reading the log then, finds why). Everything else
         waits for :meth:`_after_report`: the replies are what the executors wait for."""
-        if not c.ok:
+        if c.ok:  # a spinning executor sees it here, before the reply is written
+            self.words.done(side.word, side.token, c.bytes, c.path, c.chunks, c.duration_s)
+        else:
             log.warning("transfer.failed", request_id=t.request_id, role=side.role, peer=t.peer,
                         code=c.error_code, error=c.error_message, bytes=side.bytes_done, chunks=side.chunks_done)
 
@@ -633,6 +670,9 @@ class Engine:
         d.update_pool_metrics({p.pool.name for p in side.parts.values()})
 
     def _on_finished(self, t: Transfer) -> None:
+        for side in t.sides.values():  # no write of their tokens can come any more
+            self.words.give_back(side.word)
+            side.word = -1
         self._claim(t)
         self._live.discard(t)
         self._nixl_live.discard(t)

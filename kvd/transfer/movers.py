@@ -19,6 +19,7 @@ The bounce path's gathers and scatters are :func:`kvd.regroup.apply.gather_chunk
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,7 +33,7 @@ import trio
 
 from kvd.ops.steptrace import mark
 from kvd.regroup import apply as regroup_apply
-from kvd.regroup import boxbounce
+from kvd.regroup import boxbounce, signal
 from kvd.regroup import kernel as kernel_mod
 from kvd.regroup import landed as landed_mod
 from kvd.regroup.boxcopy import copy_boxes, supports_box_copy
@@ -41,6 +42,16 @@ from kvd.regroup.plan import Plan
 from kvd.regroup.stager import schedule
 
 log = structlog.get_logger("kvd.transfer")
+
+#: ``KVD_GPU_TOKENS=1``: the mapped path's GPU stores the completion tokens right after the
+#: kernel (else only the daemons store them, when they report). Off by default: on the H200
+#: host, where the driver reports no native stream memory operations, the two
+#: ``cuStreamWriteValue64`` stores made a 1-block request slower, p50 0.59 -> 0.79 ms
+#: (docs/performance.md).
+def gpu_tokens() -> bool:
+    """Whether ``KVD_GPU_TOKENS=1`` is set (read at each launch: a daemon started from a warm
+    interpreter imported this module before its environment was final)."""
+    return os.environ.get("KVD_GPU_TOKENS", "0") == "1"
 
 #: Up to this many bytes a host regroup runs on the event loop: a worker-thread hop costs more.
 INLINE_BYTES = 4 << 20
@@ -116,12 +127,14 @@ class KernelLaunch:
 
 
 def launch_kernel(p: Plan, src: dict[int, torch.Tensor], dst: dict[int, torch.Tensor], *,
-                  launch_on: Literal["src", "dst"], landed: bool = False) -> KernelLaunch:
+                  launch_on: Literal["src", "dst"], landed: bool = False,
+                  stores: list[tuple[int, int]] | None = None) -> KernelLaunch:
     """Enqueue the regroup kernel launches of ``p`` (one per source rank) from flat-byte CUDA
     ``src`` pools into flat-byte ``dst`` pools, without waiting: what a caller that must not
     await (the executor's publish step) does; :func:`kernel_done` waits for them. ``landed``:
     also record a landed event after them when every launch went to one stream of one device
-    (:func:`landed_after`)."""
+    (:func:`landed_after`); ``stores``: completion tokens (device address, value) stored on
+    the landed event's stream right after it (:mod:`kvd.regroup.signal`), when one was recorded."""
     t0 = time.perf_counter()
     launched: list[Any] = []
     marks: list[LandedMark] = []
@@ -150,7 +163,23 @@ def launch_kernel(p: Plan, src: dict[int, torch.Tensor], dst: dict[int, torch.Te
         mark_: LandedMark | None = marks[0]
     else:  # (not from a template: a separate record, when the launches allow one)
         mark_ = landed_after(launched) if landed else None
+    if mark_ is not None and stores and gpu_tokens():
+        _store_tokens(mark_.device, stores)
     return KernelLaunch(launched, launch_on, t1, t1 - t0, mark_)
+
+
+def _store_tokens(device: int, stores: list[tuple[int, int]]) -> None:
+    """The completion tokens, on the stream the landed event was recorded on, after it: a
+    token read means the event completed too. Speed only: the replies still come."""
+    ring = landed_mod.ring_of(device)
+    if ring is None or ring.stream is None:
+        return
+    try:
+        signal.store_after(ring.ctx, ring.stream, stores)
+        mark("tokens stored")
+    except kernel_mod.KernelError as exc:
+        log.warning("transfer.tokens_not_stored", device=device, error=str(exc),
+                    fallback="executors wait for their replies")
 
 
 def landed_after(completions: list[Any]) -> LandedMark | None:

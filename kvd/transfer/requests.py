@@ -56,6 +56,9 @@ class Side:
     done: trio.Event = field(default_factory=trio.Event)
     completion: m.Completion | None = None
     created: float = field(default_factory=time.monotonic)
+    #: the side's slot of the completion page and the token it holds once done (-1: none)
+    word: int = -1
+    token: int = 0
     # progress, for `kvctl transfers`
     state: str = "waiting"
     bytes_total: int = 0

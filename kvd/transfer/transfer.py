@@ -34,6 +34,7 @@ import msgspec
 import structlog
 import trio
 
+from kvd.mapping.words import SLOT_BYTES
 from kvd.ops.logctx import bind_request_id, unbind_request_id
 from kvd.ops.steptrace import mark
 from kvd.regroup import landed
@@ -44,6 +45,7 @@ from kvd.transfer.movers import wait_polling
 from kvd.transfer.paths import bounce, direct, fragment, local, mapped
 from kvd.transfer.paths.base import Job, Sent
 from kvd.transfer.requests import Side
+from kvd.transfer.words import CompletionPage
 from protocol import messages as m
 from protocol import transfer as x
 from protocol import transfer_fsm as f
@@ -145,6 +147,14 @@ class Env:
     #: the machine's deadline moved while no actor watches it: the engine's timer calls
     #: :meth:`Transfer.deadline_passed` once it is due
     watch: Callable[[Transfer], None] = field(default=lambda t: None)
+    #: the daemon's completion page (:mod:`kvd.transfer.words`), None in unit tests
+    words: CompletionPage | None = None
+
+
+#: Events that may fail a side: a side whose completion token is in is settled first.
+_MAY_FAIL = (f.Cancel, f.Disconnect, f.LocalFailure, f.Clock, f.PeerLost, f.FailReceived)
+_RECEIVING_STATES = frozenset({f.State.DEST_OUT, f.State.RECEIVING})
+_UNLANDED = frozenset({f.State.IDLE, f.State.SENDING})
 
 
 @dataclass
@@ -164,6 +174,8 @@ class _Remote:
     chunk_bytes: int = 0  # ctx's bounce chunk size (0 = an older daemon)
     credits: str = ""  # how ctx takes bounce credits (x.CREDITS_NOTIF; "" = XferGrant messages)
     landed: x.LandedEvent | None = None  # ctx's landed event (mapped path), from its path message
+    word: int = -1  # gen's completion slot and token (mapped path: our GPU stores the token)
+    token: int = 0
     # ``blocks`` validated against ``layout`` when the destination arrived (before the request
     # completed here): the planner then skips that work. None: not checked (the planner does).
     checked: CheckedBlocks | None = None
@@ -269,6 +281,7 @@ class Transfer:
         self.uses_nixl = False  # its path moves bytes over NIXL (told to the engine once)
         self._corked: PeerLink | None = None  # the link held while the data path starts inline
         self._landed: LandedMark | None = None  # ctx: the landed event its path message names
+        self._ctx_run: local.KernelRun | None = None  # ctx: the kernel launched in the publish step
         # The actor's task starts only when something must wait (see the module docstring).
         self._actor = False  # the actor's task was started (it ends only with the transfer)
         self._expired = False  # the deadline did its work: a side still aborting waits for quiet
@@ -295,6 +308,8 @@ class Transfer:
         """Apply one event now; its actions run in order: right here when the actor has
         nothing pending and they need no waiting (reports, starting or aborting a data task,
         a message the link's writer takes), else on the actor. Raises protocol errors."""
+        if isinstance(event, _MAY_FAIL):
+            self._settle_tokens()
         before = self.machine.deadline
         actions = self.machine.handle(event)
         mark("feed", type(event).__name__, actions)
@@ -610,6 +625,7 @@ class Transfer:
             r.set_side(msg.layout, dict(msg.blocks), check=announced)
             r.pools, r.pool_names = dict(msg.pools), dict(msg.pool_names)
             r.chunking = msg.chunking
+            r.word, r.token = msg.word, msg.token
             if not announced:
                 self.round_trips += 1
             deadline_s = msg.deadline_s if isinstance(msg, x.XferAnnounce) else 0.0
@@ -733,6 +749,18 @@ class Transfer:
             n, self._pending_scatters = self._pending_scatters, 0
             self.feed(f.WriteEnded(f.Role.GEN, n))  # their scatters will never run
 
+    def _prime_word(self, side: Side) -> tuple[int, int]:
+        """gen: the completion slot and token for ctx's GPU to store after its kernel (mapped
+        path, GPU pools), its outcome written now; (-1, 0) where no GPU will store it."""
+        words = self.env.words
+        if words is None or side.word < 0 or not words.device_ptr:
+            return -1, 0
+        if not all(p.pool.device >= 0 for p in side.parts.values()):
+            return -1, 0
+        nbytes = sum(len(p.block_ids) * side.layout.block_bytes(r) for r, p in side.parts.items())
+        words.prime(side.word, nbytes, "mapped")
+        return side.word, side.token
+
     def _message(self, a: f.Action) -> x.XferMessage:
         rid = self.request_id
         if isinstance(a, f.SendOffer):
@@ -745,13 +773,15 @@ class Transfer:
             regions = {r: x.RemoteRegion(addr=p.pool.ptr, nbytes=p.pool.nbytes, device=p.pool.device)
                        for r, p in side.parts.items()}
             names = {r: p.pool.name for r, p in side.parts.items()}
+            word, token = self._prime_word(side)
             if a.announced:
                 return x.XferAnnounce(request_id=rid, layout=side.layout, blocks=side.blocks_by_rank(),
                                       pools=regions, pool_names=names, slots=self._pregrant(),
                                       deadline_s=max(0.0, self.machine.deadline - trio.current_time()),
-                                      chunking=x.CHUNKING_RANGES)
+                                      chunking=x.CHUNKING_RANGES, word=word, token=token)
             return x.XferAccept(request_id=rid, layout=side.layout, blocks=side.blocks_by_rank(),
-                                pools=regions, pool_names=names, slots=self._pregrant(), chunking=x.CHUNKING_RANGES)
+                                pools=regions, pool_names=names, slots=self._pregrant(), chunking=x.CHUNKING_RANGES,
+                                word=word, token=token)
         if isinstance(a, f.SendPath):
             side = self.sides[f.Role.CTX]
             bounced = a.path is f.Path.BOUNCE
@@ -1087,11 +1117,13 @@ class Transfer:
         (not loaded yet, copy engines, pools it cannot reach), the data task does everything,
         as for any other request."""
         _map_into(job, maps)
+        job.stores = self._token_stores(link, p)
         run = mapped.launch_now(job)
         if run is None:
             job.dst, job.mapped = {}, {}
             return self._send_rest_as_task(job, link, p)
         job.stages["gpu_launch_inline"] = 1  # (the transfer.done line says how it started)
+        self._ctx_run = run
         self._landed = run.launched.landed
         self.feed(f.PathChosen(f.Role.CTX, f.Path.MAPPED))
         if self._landed is not None:
@@ -1106,10 +1138,51 @@ class Transfer:
             return True
 
         async def body() -> None:
-            self._sent(self.sides[f.Role.CTX], await run.finish())
+            sent = await run.finish()
+            if self.sent is None:  # (else reported already: its token was seen, _settle_tokens)
+                self._sent(self.sides[f.Role.CTX], sent)
 
         self._start(partial(self._guarded, f.Role.CTX, body))
         return True
+
+    def _token_stores(self, link: PeerLink, p: Plan) -> list[tuple[int, int]]:
+        """The completion tokens ctx's GPU stores after the kernel (mapped path): gen's, into
+        the peer's page mapped here, and ours, for the ctx executor; each slot's outcome is
+        written before (gen primed its own when it announced)."""
+        stores: list[tuple[int, int]] = []
+        r, peer_words = self.remote, link.words
+        if r.word >= 0 and r.token and peer_words is not None and peer_words.device_ptr and r.word < peer_words.slots:
+            stores.append((peer_words.device_ptr + r.word * SLOT_BYTES, r.token))
+        words, side = self.env.words, self.sides[f.Role.CTX]
+        if words is not None and words.device_ptr and side.word >= 0:
+            words.prime(side.word, p.total_bytes(), "mapped", len(p.src_ranks()))
+            stores.append((words.device_ptr + side.word * SLOT_BYTES, side.token))
+        return stores
+
+    def settle_tokens(self) -> None:
+        """A side whose completion token a GPU stored is done now (see :meth:`_settle_tokens`):
+        asked when its blocks are wanted again (its executors may have seen the token)."""
+        if not self.machine.finished:
+            self._settle_tokens()
+
+    def _settle_tokens(self) -> None:
+        """Before an event that may fail a side: a side whose completion token was stored
+        (the mapped path's GPU did, after every byte landed) is done first, as its spinning
+        executors may have seen already. ctx: its kernel is over (the token follows the
+        kernel's event on the stream); gen: ctx's kernel landed, as a landed event says."""
+        words = self.env.words
+        if words is None:
+            return
+        ctx = self.sides.get(f.Role.CTX)
+        if ctx is not None and self._ctx_run is not None and self.sent is None and words.holds(ctx.word, ctx.token):
+            sent = self._ctx_run.finish_now()
+            if sent is not None:
+                self._sent(ctx, sent)
+        gen = self.sides.get(f.Role.GEN)
+        mc = self.machine
+        if (gen is not None and f.Role.CTX not in mc.here and mc.gen.state in _RECEIVING_STATES
+                and mc.ctx.state in _UNLANDED and mc.path in (None, f.Path.MAPPED) and words.holds(gen.word, gen.token)):
+            self.feed(f.LandedSeen(f.Role.CTX, words.primed_bytes(gen.word)))
 
     def _send_rest_as_task(self, job: Job, link: PeerLink, p: Plan) -> bool:
         """Planned here, too large to copy in this step: the rest runs as the data task."""

@@ -74,6 +74,8 @@ class Job:
     descs_per_write: int = 8192  # NIXL descriptors per write (direct / fragment paths)
     gpu_chunk_bytes: int = 128 << 20
     stages: dict[str, float] = field(default_factory=dict)
+    # mapped path: completion tokens (device address, value) the GPU stores after the kernel
+    stores: list[tuple[int, int]] = field(default_factory=list)
 
 
 def mem(device: int) -> Literal["DRAM", "VRAM"]:

@@ -77,15 +77,20 @@ class KernelRun:
         self.job = job
         self.launched = launched
         self._over = False
+        self._result: Sent | None = None  # what finish_now found (a later finish returns it)
 
     def finish_now(self) -> Sent | None:
         """The bytes, if every launch has completed (a failed one raises); else None."""
+        if self._result is not None:
+            return self._result
         if not kernel_done_now(self.launched, self.job.stages):
             return None
         return self._end()
 
     async def finish(self) -> Sent:
         """Wait for every launch (even when cancelled: see :func:`kernel_done`); the bytes."""
+        if self._result is not None:
+            return self._result
         if self._over:
             raise InternalError("kernel run reported twice")
         try:
@@ -104,7 +109,8 @@ class KernelRun:
         self._ended()
         nbytes = self.launched.nbytes
         self.job.progress.moved(nbytes, len(self.job.plan.pairs()))
-        return Sent(writes=0, chunks=len(self.job.plan.src_ranks()), nbytes=nbytes)
+        self._result = Sent(writes=0, chunks=len(self.job.plan.src_ranks()), nbytes=nbytes)
+        return self._result
 
 
 def start_kernel(job: Job, src: dict[int, torch.Tensor], dst: dict[int, torch.Tensor],
@@ -118,7 +124,8 @@ def start_kernel(job: Job, src: dict[int, torch.Tensor], dst: dict[int, torch.Te
     path's, for the peer: :mod:`kvd.regroup.landed`)."""
     job.progress.posted()
     try:
-        launched = launch_kernel(job.plan, src, dst, launch_on=where, landed=landed)
+        launched = launch_kernel(job.plan, src, dst, launch_on=where, landed=landed,
+                                 stores=job.stores if landed else None)
     except BaseException:
         job.progress.ended()  # nothing of it is running (launch_kernel waited for what it enqueued)
         raise

@@ -1,0 +1,106 @@
+"""Completion tokens stored by ctx's GPU (mapped path): gen's spinning executors finish while
+their own daemon is stopped, byte-exact, and that daemon reports the request done, once, when
+it runs again."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from clients.blocking import Client
+from kvd.demo.launch import DaemonProcess
+from protocol import messages as m
+from protocol.layout import KVLayout
+from tests.transfer_harness import start_pair
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+GEO = {"num_layers": 6, "num_kv_heads": 8, "head_dim": 64, "tokens_per_block": 32, "dtype": "bfloat16"}
+LAYOUT = KVLayout(**GEO)  # type: ignore[arg-type]
+
+
+def _blocks(pool: torch.Tensor, info: m.PoolInfo, ids: list[int]) -> torch.Tensor:
+    ax = info.axis_order.index("block")
+    return pool.index_select(ax, torch.tensor(ids, device=pool.device)).cpu()
+
+
+def _until(what: Callable[[], bool], timeout: float = 30.0) -> None:
+    end = time.monotonic() + timeout
+    while not what():
+        if time.monotonic() > end:
+            raise TimeoutError("condition not reached")
+        time.sleep(0.005)
+
+
+def test_gen_executors_complete_from_ctx_gpu_tokens_while_their_daemon_is_stopped(
+        daemon_factory: Callable[..., DaemonProcess], short_tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVD_GPU_TOKENS", "1")  # (the daemons inherit it)
+    gen_dev = 1 if torch.cuda.device_count() > 1 else 0
+    pair = start_pair(daemon_factory, short_tmp, LAYOUT, LAYOUT, num_blocks=32, mapped=True, memory="auto",
+                      ctx_device=0, gen_device=gen_dev)
+    pair.ctx.logged("peer.pools_mapped")
+    assert '"peer.completion_page_not_mapped"' not in pair.ctx.log()
+    with Client(pair.ctx.socket_path, client="ctx", spin_s=1.0, completion_page=True) as ctx, \
+            Client(pair.gen.socket_path, client="gen", spin_s=1.0, completion_page=True) as gen, \
+            Client(pair.ctx.socket_path, client="probe") as probe:
+        c_info, g_info = ctx.pools()[0], gen.pools()[0]
+        c_pool, g_pool = ctx.attach(c_info.name), gen.attach(g_info.name)
+        ax = c_info.axis_order.index("block")
+        for i in range(6):  # the first loads the kernel (not inline); later ones store tokens
+            rid, stop = f"w-{i}", i >= 3
+            c_ids, g_ids = ctx.alloc(c_info.name, 4), gen.alloc(g_info.name, 4)
+            with torch.no_grad():
+                src = c_pool.tensor.index_select(ax, torch.tensor(c_ids, device=c_pool.tensor.device))
+                src.copy_(torch.randint(-2000, 2000, src.shape, dtype=torch.int16).view(src.dtype).to(src.device))
+                c_pool.tensor.index_copy_(ax, torch.tensor(c_ids, device=c_pool.tensor.device), src)
+            torch.cuda.synchronize()
+            gen.expect(rid, g_info.name, LAYOUT, 0, g_ids, peer="ctx", deadline_s=60)
+            # the announce reached ctx (a transfer there, no executor yet)
+            _until(lambda: probe.stats().transfers_active == 1)
+            if stop:
+                os.kill(pair.gen.pid, signal.SIGSTOP)
+            outcome: list[m.Completion | BaseException] = []
+
+            def wait_gen(rid: str = rid, outcome: list[m.Completion | BaseException] = outcome) -> None:
+                try:
+                    outcome.append(gen.wait(rid))
+                except BaseException as exc:
+                    outcome.append(exc)
+
+            waiter = threading.Thread(target=wait_gen)
+            try:
+                waiter.start()
+                sent = ctx.publish_and_wait(rid, c_info.name, LAYOUT, 0, c_ids, peer="gen", deadline_s=60)
+                waiter.join(timeout=0.9 if stop else 30)
+                finished_stopped = not waiter.is_alive()
+            finally:
+                if stop:
+                    os.kill(pair.gen.pid, signal.SIGCONT)
+                waiter.join(timeout=30)
+            (got,) = outcome
+            assert isinstance(got, m.Completion) and got.ok and got.path == "mapped", got
+            assert got.bytes == sent.bytes
+            if stop:  # only ctx's GPU could have said so: gen's daemon was stopped
+                assert finished_stopped
+            torch.cuda.synchronize()
+            assert torch.equal(_blocks(g_pool.tensor, g_info, g_ids).view(torch.int16),
+                               _blocks(c_pool.tensor, c_info, c_ids).view(torch.int16)), rid
+            (done,) = pair.gen.logged("transfer.done", request_id=rid)
+            assert done["role"] == "gen"
+            assert gen.ping(b"x") == b"x"  # the owed wait went out; its reply is dropped
+            assert gen.free(g_info.name, g_ids) == 4 and ctx.free(c_info.name, c_ids) == 4
+            _until(lambda: probe.stats().transfers_active == 0)
+        assert gen.page_completions >= 3
+        assert '"transfer.failed"' not in pair.gen.log() and '"transfer.failed"' not in pair.ctx.log()
+        assert '"transfer.tokens_not_stored"' not in pair.ctx.log()
+        assert '"transfer.completion_page_not_registered"' not in pair.ctx.log()
