@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import mmap
-import os
 
 import torch
 
+from kvd.mapping.fdmap import mmap_fd
 from protocol.errors import PoolError
 
 
@@ -19,15 +19,6 @@ def map_fd(fd: int, nbytes: int, map_bytes: int | None = None) -> tuple[mmap.mma
     size = nbytes if map_bytes is None else map_bytes
     if nbytes < 1 or size < nbytes:
         raise PoolError(f"cannot map {nbytes} bytes of a {size}-byte mapping")
-    try:
-        file_size = os.fstat(fd).st_size
-    except OSError as exc:
-        raise PoolError(f"pool fd {fd} is not usable: {exc}") from None
-    if file_size < size:
-        raise PoolError(f"pool fd {fd} holds {file_size} bytes, expected at least {size}")
-    try:
-        mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    except OSError as exc:
-        raise PoolError(f"mmap of pool fd {fd} ({size} bytes) failed: {exc}") from None
+    mm = mmap_fd(fd, size, "pool")
     # torch.frombuffer keeps a reference to the mmap object for as long as the storage lives.
     return mm, torch.frombuffer(mm, dtype=torch.uint8, count=nbytes)

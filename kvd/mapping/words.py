@@ -27,13 +27,12 @@ This module is the leaf the daemon and the clients share: the layout, and mappin
 from __future__ import annotations
 
 import contextlib
-import mmap
-import os
 from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 
+from kvd.mapping.fdmap import mmap_fd
 from protocol.errors import PoolError
 
 #: ``uint64`` words per slot: token, bytes, meta, duration_ns.
@@ -67,17 +66,7 @@ class WordsView:
         if slots < 1:
             raise PoolError(f"a completion page of {slots} slots")
         size = slots * SLOT_BYTES
-        try:
-            have = os.fstat(fd).st_size
-        except OSError as exc:
-            raise PoolError(f"completion page fd {fd} is not usable: {exc}") from None
-        if have < size:
-            raise PoolError(f"completion page fd {fd} holds {have} bytes, expected at least {size}")
-        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-        try:
-            self._mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=prot)
-        except OSError as exc:
-            raise PoolError(f"mmap of the completion page ({size} bytes) failed: {exc}") from None
+        self._mm = mmap_fd(fd, size, "completion page", writable=writable)
         self.slots = slots
         self.nbytes = size
         self.words: npt.NDArray[np.uint64] = np.frombuffer(self._mm, dtype=np.uint64)

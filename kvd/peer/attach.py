@@ -42,6 +42,14 @@ class _Session:
             self.sock.close()
             raise ConnectionClosed(f"cannot connect to the peer's socket {path}: {exc.strerror}") from None
 
+    def hello(self, me: str) -> None:
+        """The session's handshake, as the peer daemon ``me``."""
+        welcome, stray = self.call(m.Hello(id=self.id(), version=m.PROTOCOL_VERSION, client=f"kvd-peer:{me}",
+                                           pid=os.getpid()))
+        _close(stray)  # a Welcome carries none: a peer's stray fds are not kept open
+        if not isinstance(welcome, m.Welcome):
+            raise ProtocolError(f"peer answered Hello with {type(welcome).__name__}")
+
     def call(self, msg: m.Message) -> tuple[m.Message, list[int]]:
         try:
             self.sock.sendall(encode(msg))
@@ -100,10 +108,7 @@ def attach_peer_pools(socket_path: str, names: list[str], me: str, timeout: floa
     s = _Session(socket_path, timeout)
     mapped: dict[str, MappedPool] = {}
     try:
-        welcome, stray = s.call(m.Hello(id=s.id(), version=m.PROTOCOL_VERSION, client=f"kvd-peer:{me}", pid=os.getpid()))
-        _close(stray)  # a Welcome carries none: a peer's stray fds are not kept open
-        if not isinstance(welcome, m.Welcome):
-            raise ProtocolError(f"peer answered Hello with {type(welcome).__name__}")
+        s.hello(me)
         for name in names:
             reply, fds = s.call(m.AttachPool(id=s.id(), pool=name))
             if not isinstance(reply, m.Attached):
@@ -144,10 +149,7 @@ def attach_peer_words(socket_path: str, me: str, device: int, timeout: float = 1
     :class:`~protocol.errors.KvdError` (or the driver's :class:`KernelError`) when it cannot."""
     s = _Session(socket_path, timeout)
     try:
-        welcome, stray = s.call(m.Hello(id=s.id(), version=m.PROTOCOL_VERSION, client=f"kvd-peer:{me}", pid=os.getpid()))
-        _close(stray)
-        if not isinstance(welcome, m.Welcome):
-            raise ProtocolError(f"peer answered Hello with {type(welcome).__name__}")
+        s.hello(me)
         reply, fds = s.call(m.AttachWords(id=s.id(), writable=True))
         try:
             if not isinstance(reply, m.WordsAttached) or len(fds) != 1 or reply.slot_words != SLOT_WORDS:

@@ -163,7 +163,7 @@ def launch_kernel(p: Plan, src: dict[int, torch.Tensor], dst: dict[int, torch.Te
         mark_: LandedMark | None = marks[0]
     else:  # (not from a template: a separate record, when the launches allow one)
         mark_ = landed_after(launched) if landed else None
-    if mark_ is not None and stores and gpu_tokens():
+    if mark_ is not None and stores:
         _store_tokens(mark_.device, stores)
     return KernelLaunch(launched, launch_on, t1, t1 - t0, mark_)
 

@@ -41,7 +41,7 @@ from kvd.regroup import landed
 from kvd.regroup.landed import LandedMark
 from kvd.regroup.plan import CheckedBlocks, Plan, check_blocks, plan
 from kvd.transfer.lazychannel import LazyChannel
-from kvd.transfer.movers import wait_polling
+from kvd.transfer.movers import gpu_tokens, wait_polling
 from kvd.transfer.paths import bounce, direct, fragment, local, mapped
 from kvd.transfer.paths.base import Job, Sent
 from kvd.transfer.requests import Side
@@ -1148,8 +1148,10 @@ class Transfer:
     def _token_stores(self, link: PeerLink, p: Plan) -> list[tuple[int, int]]:
         """The completion tokens ctx's GPU stores after the kernel (mapped path): gen's, into
         the peer's page mapped here, and ours, for the ctx executor; each slot's outcome is
-        written before (gen primed its own when it announced)."""
+        written before (gen primed its own when it announced). None unless ``KVD_GPU_TOKENS=1``."""
         stores: list[tuple[int, int]] = []
+        if not gpu_tokens():
+            return stores
         r, peer_words = self.remote, link.words
         if r.word >= 0 and r.token and peer_words is not None and peer_words.device_ptr and r.word < peer_words.slots:
             stores.append((peer_words.device_ptr + r.word * SLOT_BYTES, r.token))

@@ -67,9 +67,8 @@ class CompletionPage:
         """The side is done: its outcome, then its token (what a spinning executor reads)."""
         if slot < 0:
             return
+        self.prime(slot, nbytes, path, chunks)
         w, base = self.view.words, slot * SLOT_WORDS
-        w[base + 1] = nbytes
-        w[base + 2] = pack_meta(path, chunks)
         w[base + 3] = max(0, int(duration_s * 1e9))
         w[base] = token
 
