@@ -66,6 +66,7 @@ class Client:
     ``spin_s`` > 0): map the daemon's completion page and, while spinning, take a request that
     the page says is done without waiting for its reply (``kvd.mapping.words``; off by default:
     on the one host measured it did not make requests faster, docs/performance.md).
+    :class:`~clients.polling.PollingClient` takes ``completion_page`` too, without spinning.
     """
 
     def __init__(self, path: str | None = None, *, client: str = "", timeout: float | None = None,
@@ -88,14 +89,14 @@ class Client:
         self._ids = itertools.count(1)
         self._frames = FrameBuffer(DEFAULT_MAX_FRAME_SIZE)
         self._ready: list[tuple[m.Message, list[int]]] = []
-        self._page: PageWatch | None = None  # the daemon's completion page, while spinning
+        self._page: PageWatch | None = None  # the daemon's completion page (completion_page=True)
         self._owed = b""  # waits for requests the page completed: they go with the next write
         try:
             self.welcome = self._call(
                 m.Hello(id=self._id(), version=m.PROTOCOL_VERSION, client=client or f"pid{os.getpid()}", pid=os.getpid()),
                 m.Welcome,
             )
-            if self._spin_s > 0 and completion_page:
+            if completion_page and self._reads_page():
                 self._page = self._attach_words()
         except BaseException:
             self._sock.close()
@@ -119,9 +120,15 @@ class Client:
 
     @property
     def page_completions(self) -> int:
-        """Waits this client answered from the daemon's completion page (``spin_s`` > 0),
+        """Completions this client took from the daemon's completion page (a spinning wait, or
+        :meth:`PollingClient.get_finished <clients.polling.PollingClient.get_finished>`),
         without waiting for the ``Completion`` reply."""
         return self._page.seen if self._page is not None else 0
+
+    def _reads_page(self) -> bool:
+        """Whether this client would read a completion page: a wait looks at it only while it
+        spins (a subclass that looks at it otherwise says so here)."""
+        return self._spin_s > 0
 
     def _attach_words(self) -> PageWatch | None:
         """Map the daemon's completion page (read-only); None when the daemon has none to

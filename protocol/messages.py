@@ -240,8 +240,8 @@ class GetConfig(Message, frozen=True, tag="get_config"):
 
 class AttachWords(Message, frozen=True, tag="attach_words"):
     """Map the daemon's completion page (answered by ``WordsAttached`` with its fd): a
-    spinning executor sees its request done there before the ``Completion`` reply comes
-    (``kvd.mapping.words``). ``writable``: for a same-node peer daemon whose GPU stores
+    spinning executor, or a polling one, sees its request done there before the ``Completion``
+    reply comes (``kvd.mapping.words``). ``writable``: for a same-node peer daemon whose GPU stores
     tokens into it (operators only: root, the daemon's uid, ``[access] operator_gids``)."""
 
     writable: bool = False

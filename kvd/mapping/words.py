@@ -3,9 +3,10 @@
 A waiting executor normally learns that its request is done from the daemon's ``Completion``
 reply: a socket write by the daemon and a wake-up of the executor, each tens of microseconds
 on a sandboxed host, on every request's critical path. The completion page lets a spinning
-executor see it sooner: each side of a request hosted by a daemon gets a **slot** of the
-daemon's page (a ``memfd``, shared read-only with its executors), and a **token** (a 64-bit
-number the daemon never gives twice). The slot reads that token once the side is done:
+executor (or a step loop polling ``PollingClient.get_finished``) see it sooner: each side of
+a request hosted by a daemon gets a **slot** of the daemon's page (a ``memfd``, shared
+read-only with its executors), and a **token** (a 64-bit number the daemon never gives
+twice). The slot reads that token once the side is done:
 
 - the daemon stores it when it reports the side done (before the reply is written);
 - on the mapped path with GPU pools, the ctx daemon's GPU stream writes it into the gen
