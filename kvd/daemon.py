@@ -152,6 +152,9 @@ class Daemon:
         self.stop_requested = trio.Event()
         self.engine: Engine | None = None
         self.history = TransferHistory()
+        #: while a session runs a registration's data path (its replies held for its wait's):
+        #: what writes them at once, for an executor that reads the completion page
+        self.release_replies: Callable[[], None] | None = None
 
     # -- sessions ---------------------------------------------------------------------------
     def add_session(self, session: Session) -> None:
@@ -215,6 +218,7 @@ class Daemon:
                 raise PermissionDenied("a writable completion page is for same-node peer daemons: "
                                        f"{self.access.operator_rule()}")
             fd = words.fd if msg.writable else words.read_only_fd
+            session.reads_page = True
             return m.WordsAttached(id=msg.id, slots=words.slots, slot_words=SLOT_WORDS), [fd]
         if isinstance(msg, m.AttachPool):
             attached, fds = self.pool(msg.pool).attach_reply(msg.id, sessions=self._pool_sessions(msg.pool))
@@ -247,6 +251,12 @@ class Daemon:
         word, token = await engine.register(session, msg)
         self.counters.requests_registered += 1
         return m.Registered(id=msg.id, request_id=msg.request_id, word=word, token=token)
+
+    def replies_now(self) -> None:
+        """A data path started in the registration's step has its work launched: the replies
+        its session holds may go now (see :attr:`release_replies`)."""
+        if self.release_replies is not None:
+            self.release_replies()
 
     def after_reply(self) -> None:
         """Work the request just handled left for after its reply (see

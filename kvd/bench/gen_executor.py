@@ -22,10 +22,11 @@ from protocol.layout import KVLayout
 
 
 def serve(socket_path: str, rank: int, blocks: int, geometry: dict[str, Any], tp: int, conn: Connection,
-          spin_s: float = 0.0) -> None:
-    """The worker's body (the target of a spawned process); ``spin_s``: its Client's."""
+          spin_s: float = 0.0, completion_page: bool = False) -> None:
+    """The worker's body (the target of a spawned process); ``spin_s``, ``completion_page``:
+    its Client's. ``("pages",)`` answers how many waits the completion page answered."""
     try:
-        client = Client(socket_path, client=f"bench-gen{rank}", spin_s=spin_s)
+        client = Client(socket_path, client=f"bench-gen{rank}", spin_s=spin_s, completion_page=completion_page)
         layout = KVLayout(**geometry, tp_size=tp)
         ids = client.alloc(f"gen{rank}", blocks)
     except BaseException as exc:
@@ -53,6 +54,8 @@ def serve(socket_path: str, rank: int, blocks: int, geometry: dict[str, Any], tp
                         client.expect(rid, f"gen{rank}", layout, rank, ids, peer=peer)
                         client.wait(rid, timeout_s=60)
                     conn.send(("done", (t0, time.perf_counter())))
+                elif cmd[0] == "pages":
+                    conn.send(("pages", client.page_completions))
                 else:
                     conn.send(("error", f"unknown command {cmd[0]!r}"))
             except BaseException as exc:  # reported to the bench, which raises it there

@@ -59,14 +59,15 @@ class _Executors:
     in four interpreters, not four threads queueing for one GIL. Blocks are leased once per size."""
 
     def __init__(self, ctx_d: DaemonProcess, gen_d: DaemonProcess, blocks: int,
-                 geometry: dict[str, Any] | None = None, spin_s: float = 0.0) -> None:
+                 geometry: dict[str, Any] | None = None, spin_s: float = 0.0,
+                 completion_page: bool = False) -> None:
         self.blocks = blocks
         #: the last request's start and every executor's completion (``perf_counter``):
         #: (t0, {"ctx": t, "gen0": t, ...})
         self.last_times: tuple[float, dict[str, float]] = (0.0, {})
         geometry = GEOMETRY if geometry is None else geometry
         self.ctx_layout = KVLayout(**geometry, tp_size=1)
-        self.ctx = Client(ctx_d.socket_path, client="bench-ctx", spin_s=spin_s)
+        self.ctx = Client(ctx_d.socket_path, client="bench-ctx", spin_s=spin_s, completion_page=completion_page)
         self.ctx_ids = self.ctx.alloc("ctx0", blocks)
         spawn = mp.get_context("spawn")  # no fork of a process that may hold CUDA state
         self.pipes: list[Connection] = []
@@ -75,7 +76,8 @@ class _Executors:
             for r in range(GEN_TP):
                 here, there = spawn.Pipe()
                 proc = spawn.Process(target=gen_executor.serve, name=f"bench-gen{r}", daemon=True,
-                                     args=(str(gen_d.socket_path), r, blocks, geometry, GEN_TP, there, spin_s))
+                                     args=(str(gen_d.socket_path), r, blocks, geometry, GEN_TP, there, spin_s,
+                                           completion_page))
                 proc.start()
                 there.close()
                 self.pipes.append(here)
@@ -149,6 +151,14 @@ class _Executors:
             raise errors[0]
         self.last_times = (t0, dict(done_at))
         return max(done_at.values()) - t0, done_at["ctx"] - t0, nbytes[0]
+
+    def page_completions(self) -> dict[str, int]:
+        """Per executor, the waits its completion page answered (``Client(completion_page=True)``)."""
+        out = {"ctx": self.ctx.page_completions}
+        for r in range(GEN_TP):
+            self.pipes[r].send(("pages",))
+            out[f"gen{r}"] = self._expect(r, "pages")
+        return out
 
     def close(self) -> None:
         self.ctx.close()

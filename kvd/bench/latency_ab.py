@@ -70,8 +70,11 @@ def child(args: argparse.Namespace) -> None:
     out: dict[str, Any] = {}
     try:
         lat._wait_for_link(gen_d)
-        ex = (lat._Executors(ctx_d, gen_d, args.blocks, None, args.client_spin_s) if args.client_spin_s > 0
+        # (only what the flags ask for is passed: an older tree's _Executors may lack it)
+        page = {"completion_page": True} if args.completion_page else {}
+        ex = (lat._Executors(ctx_d, gen_d, args.blocks, None, args.client_spin_s, **page) if args.client_spin_s > 0
               else lat._Executors(ctx_d, gen_d, args.blocks))
+        pages = getattr(ex, "page_completions", None) if page else None
         try:
             for i in range(WARMUP):
                 ex.once(f"warm-g{i}", True)
@@ -80,6 +83,7 @@ def child(args: argparse.Namespace) -> None:
                 walls: list[float] = []
                 ctx_walls: list[float] = []
                 c0, g0 = _cpu_s(ctx_d.proc.pid), _cpu_s(gen_d.proc.pid)
+                p0 = pages() if pages is not None else {}
                 for i in range(args.repeat):
                     wall, ctx_wall, _ = ex.once(f"{order}{i}", order == "gen-first")
                     walls.append(wall)
@@ -88,6 +92,9 @@ def child(args: argparse.Namespace) -> None:
                 out[order] = {"p50_s": _pct(walls, 0.5), "p99_s": _pct(walls, 0.99),
                               "ctx_p50_s": _pct(ctx_walls, 0.5), "ctx_p99_s": _pct(ctx_walls, 0.99),
                               "ctx_cpu_s": (c1 - c0) / args.repeat, "gen_cpu_s": (g1 - g0) / args.repeat}
+                if pages is not None:  # the share of each executor's waits its page answered
+                    p1 = pages()
+                    out[order]["page_share"] = {k: (p1[k] - p0.get(k, 0)) / args.repeat for k in p1}
         finally:
             ex.close()
     finally:
@@ -119,7 +126,7 @@ def _round(tree: str, args: argparse.Namespace, name: str) -> dict[str, Any]:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--tree", str(Path(tree).resolve()), "--geometry", args.geometry,
            "--blocks", str(args.blocks), "--repeat", str(args.repeat), "--orders", args.orders,
            "--memory", args.memory, "--device", str(args.device), "--busy-poll", args.busy_poll,
-           "--client-spin-s", str(args.client_spin_s)]
+           "--client-spin-s", str(args.client_spin_s)] + (["--completion-page"] if args.completion_page else [])
     if args.gen_device is not None:
         cmd += ["--gen-device", str(args.gen_device)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd="/tmp", timeout=args.round_timeout)
@@ -147,8 +154,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--gen-device", type=int, default=None, help="gen pools' GPU (default: --device)")
     parser.add_argument("--busy-poll", default="", help="both daemons' transfer.busy_poll (default: the tree's own)")
     parser.add_argument("--client-spin-s", type=float, default=0.0,
-                        help="every executor's Client(spin_s=) (default 0: waits sleep at once; a spinning "
-                             "executor also reads the completion page of trees that have one)")
+                        help="every executor's Client(spin_s=) (default 0: waits sleep at once)")
+    parser.add_argument("--completion-page", action="store_true",
+                        help="with --client-spin-s: every executor's Client(completion_page=True) (trees that "
+                             "have completion pages); each round then says the share of waits the page answered")
     parser.add_argument("--pythonpath", default="", help="put in front of each tree on PYTHONPATH (installed wheels)")
     parser.add_argument("--env-old", action="append", default=[], metavar="KEY=VALUE",
                         help="set in the old tree's rounds, daemons included (repeatable; default none): with the "
@@ -172,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if len(args.trees) != 2:
         parser.error("give two trees: OLD_TREE NEW_TREE")
+    if args.completion_page and args.client_spin_s <= 0:
+        parser.error("--completion-page needs --client-spin-s > 0 (only a spinning client reads the page)")
     for item in (*args.env_old, *args.env_new):
         key, eq, _ = item.partition("=")
         if not eq or not key or not key.replace("_", "").isalnum():
@@ -187,7 +198,10 @@ def main(argv: list[str] | None = None) -> int:
             results[name].append(res)
             print(f"round {r} {name}: " + "; ".join(
                 f"{order} p50 {v['p50_s'] * 1e3:.3f} p99 {v['p99_s'] * 1e3:.3f} ctx p50 {v['ctx_p50_s'] * 1e3:.3f} ms, "
-                f"cpu/req ctx {v['ctx_cpu_s'] * 1e3:.3f} gen {v['gen_cpu_s'] * 1e3:.3f} ms" for order, v in res.items()),
+                f"cpu/req ctx {v['ctx_cpu_s'] * 1e3:.3f} gen {v['gen_cpu_s'] * 1e3:.3f} ms"
+                + (", waits the page answered " + " ".join(f"{k} {x:.2f}" for k, x in v["page_share"].items())
+                   if "page_share" in v else "")
+                for order, v in res.items()),
                 flush=True)
     for order in args.orders.split(","):
         med = {name: {key: statistics.median(res[order][key] for res in results[name]) for key, _ in _FIGURES}

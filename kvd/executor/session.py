@@ -79,6 +79,10 @@ class Session:
     requests: set[str] = field(default_factory=set)
     #: Root, the daemon's uid or a member of ``[access] operator_gids`` (see :func:`is_operator`).
     operator: bool = False
+    #: The executor mapped the completion page (``AttachWords``): a registration's reply held
+    #: back for its wait's may go as soon as the data path is launched (see
+    #: :meth:`SessionConnection.release_held`), so it can watch its slot while the GPU works.
+    reads_page: bool = False
 
     def info(self, blocks_leased: int) -> m.SessionInfo:
         """Wire description for ``kvctl sessions``."""
@@ -242,6 +246,20 @@ class SessionConnection:
         if self._cork is None:
             self._cork = []
         self._cork_until = until
+
+    def release_held(self) -> None:
+        """Write the replies held so far now, without awaiting, and go on holding the ones
+        that follow until the reply :meth:`cork` waits for: a registration's ``Registered``
+        leaves while its data path runs, not with the completion. What the socket does not
+        take now stays held, first in line. Nothing happens while another reply is being
+        written (it then goes with the rest, as before)."""
+        held = self._cork
+        if not held or not self._send_lock.value:
+            return
+        data = b"".join(held)
+        sent = self._write_now(data)
+        self._cork = [data[sent:]] if sent < len(data) else []
+        mark("session.released", sent)
 
     def run_held(self) -> None:
         """Run what the replies sent while corked would have run once written (see
@@ -500,7 +518,14 @@ async def _serve_session(daemon: Daemon, conn: SessionConnection, first: list[by
                             conn.cork(until=ahead.id)
                     await _dispatch(daemon, conn, waits, msg)
                     if ahead is None:
-                        conn.run_held()  # the registration's data path, once its wait is registered
+                        # the registration's data path, once its wait is registered; an
+                        # executor that reads the completion page gets its Registered reply
+                        # (its slot) as soon as the GPU has the work (Daemon.release_replies)
+                        daemon.release_replies = conn.release_held if conn.session.reads_page else None
+                        try:
+                            conn.run_held()
+                        finally:
+                            daemon.release_replies = None
                         if conn.corked:
                             await conn.flush()
         finally:

@@ -85,6 +85,8 @@ SMALL_WORDS = 511
 #: (docs/timeline-h200-1gpu-session11-256blocks.txt) the allocation and copy of such a table
 #: took 84 us of a 1.5 ms request.
 LARGE_WORDS = 4094
+#: Token stores one launch of ``kvd_store_tokens`` takes (:meth:`RegroupKernel.store_tokens`).
+MAX_TOKEN_STORES = 8
 ENV_PARAM_TABLES = "KVD_KERNEL_PARAM_TABLES"
 #: Whether small tables go as the parameter (on unless ``KVD_KERNEL_PARAM_TABLES=0``).
 #: tests/gpu/test_regroup_kernel.py runs every layout kind both ways; on one H200
@@ -219,6 +221,23 @@ kvd_regroup_large(const __grid_constant__ LargeTable t) {
   regroup_tile(t.w, t.w + t.npairs * NF, (int)t.npairs);
 }
 #endif
+
+// Completion tokens (kvd.regroup.signal): launched on a stream right after a request's
+// regroup kernel, it stores each (address, value) once that kernel's writes are done. The
+// kernel boundary orders them before this thread; the system-scope fence makes them visible
+// to every process and the host before the stores, which a spinning executor reads from a
+// host page. One thread: a few 8-byte stores.
+#define MAX_TOKEN_STORES 8
+struct TokenStores { i64 n; i64 addr[MAX_TOKEN_STORES]; i64 value[MAX_TOKEN_STORES]; };
+
+extern "C" __global__ void kvd_store_tokens(const __grid_constant__ TokenStores s) {
+  if (threadIdx.x != 0 || blockIdx.x != 0) return;
+  __threadfence_system();
+  const int n = s.n < MAX_TOKEN_STORES ? (int)s.n : MAX_TOKEN_STORES;
+  for (int i = 0; i < n; ++i)
+    *reinterpret_cast<volatile unsigned long long*>(s.addr[i]) = (unsigned long long)s.value[i];
+  __threadfence_system();
+}
 """
 
 
@@ -398,6 +417,8 @@ class RegroupKernel:
             self._func = _check(cu.cuModuleGetFunction(self._module, b"kvd_regroup"), "cuModuleGetFunction")
             self._func_small = _check(cu.cuModuleGetFunction(self._module, b"kvd_regroup_small"),
                                       "cuModuleGetFunction")
+            self._func_tokens = _check(cu.cuModuleGetFunction(self._module, b"kvd_store_tokens"),
+                                       "cuModuleGetFunction")
             res = cu.cuModuleGetFunction(self._module, b"kvd_regroup_large")
             # (absent when this arch or compiler does not allow a 32 KiB parameter)
             self._func_large: Any = res[1] if res[0] == cu.CUresult.CUDA_SUCCESS else None
@@ -417,6 +438,8 @@ class RegroupKernel:
         # the 4 KiB and 32 KiB entry points' one parameter each, likewise built once
         self._small, self._small_ptrs, self._small_ptrs_addr = _param_buffer(SMALL_WORDS)
         self._large, self._large_ptrs, self._large_ptrs_addr = _param_buffer(LARGE_WORDS)
+        # kvd_store_tokens' parameter: count, MAX_TOKEN_STORES addresses, as many values
+        self._tokens, self._tokens_ptrs, self._tokens_ptrs_addr = _param_buffer(2 * MAX_TOKEN_STORES)
         self._args_lock = threading.Lock()
         #: completed events, recorded again by later launches (no create/destroy per launch)
         self._events: list[Any] = []
@@ -582,6 +605,37 @@ class RegroupKernel:
         finally:
             _check(cu.cuMemFreeAsync(dptr, hs), "cuMemFreeAsync")
         return DriverEvent(self.ctx, hs, self._events, device=self.device, event=event)
+
+
+    def store_tokens(self, stream: int, stores: list[tuple[int, int]]) -> None:
+        """Enqueue one launch of ``kvd_store_tokens`` on ``stream`` (a handle, as in
+        :meth:`run`): each ``(device address, value)`` 64-bit store happens once everything
+        enqueued before it there has finished (at most :data:`MAX_TOKEN_STORES`). Raises
+        :class:`KernelError` (nothing enqueued) when the driver refuses."""
+        if not 0 < len(stores) <= MAX_TOKEN_STORES:
+            raise KernelError(f"{len(stores)} token stores; a launch takes 1 to {MAX_TOKEN_STORES}")
+        cu = _driver()
+        hs = cu.CUstream(stream)
+        _check(cu.cuCtxPushCurrent(self.ctx), "cuCtxPushCurrent")
+        try:
+            with self._args_lock:  # cuLaunchKernel copies the parameter before it returns
+                buf = self._tokens
+                buf[:] = 0
+                buf[0] = len(stores)
+                for i, (addr, value) in enumerate(stores):
+                    buf[1 + i] = _as_i64(addr)
+                    buf[1 + MAX_TOKEN_STORES + i] = _as_i64(value)
+                _check(cu.cuLaunchKernel(self._func_tokens, 1, 1, 1, 32, 1, 1, 0, hs, self._tokens_ptrs_addr, 0),
+                       "cuLaunchKernel")
+        finally:
+            cu.cuCtxPopCurrent()
+
+
+def _as_i64(u: int) -> int:
+    """An unsigned 64-bit value as the int64 word with the same bits."""
+    if not 0 <= u < 1 << 64:
+        raise KernelError(f"{u} is not an unsigned 64-bit value")
+    return u - (1 << 64) if u >= 1 << 63 else u
 
 
 def _param_buffer(words: int) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.uint64], int]:

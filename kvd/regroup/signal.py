@@ -2,11 +2,13 @@
 
 The mapped path's regroup kernel writes a request into the gen daemon's pools; right after it
 (after its landed event, :mod:`kvd.regroup.landed`) the ctx daemon enqueues
-``cuStreamWriteValue64`` stores of the request's completion tokens into the completion pages
-(:mod:`kvd.mapping.words`) of both daemons. A stream memory operation runs once the work
-before it on the stream has finished, with a memory barrier before the store (like
-``__threadfence_system``): an executor that reads its token finds every byte of the request
-in place. The pages are host memory registered with CUDA (:func:`register_host`).
+stores of the request's completion tokens into the completion pages (:mod:`kvd.mapping.words`)
+of both daemons: by default a one-thread kernel launched behind the regroup kernel
+(:func:`store_by_kernel`, which fences at system scope before it stores), or
+``cuStreamWriteValue64`` stream memory operations (:func:`store_after`, with a memory barrier
+before the store). Either runs once the work before it on the stream has finished: an executor
+that reads its token finds every byte of the request in place. The pages are host memory
+registered with CUDA (:func:`register_host`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 
 import structlog
 
-from kvd.regroup.kernel import KernelError, _check, _driver, _primary_context
+from kvd.regroup.kernel import KernelError, _check, _driver, _primary_context, kernel_for
 
 log = structlog.get_logger("kvd.regroup")
 
@@ -67,4 +69,15 @@ def store_after(ctx: Any, stream: int, stores: list[tuple[int, int]]) -> None:
         cu.cuCtxPopCurrent()
 
 
-__all__ = ["KernelError", "register_host", "store_after", "unregister_host"]
+def store_by_kernel(device: int, stream: int, stores: list[tuple[int, int]]) -> None:
+    """The same stores as :func:`store_after`, by a one-thread kernel launched on ``stream``
+    of ``device`` (``kvd_store_tokens``): a launch behind the regroup kernel, where the driver
+    emulates stream memory operations. Raises :class:`KernelError` (also when the regroup
+    kernel is not loaded there)."""
+    k = kernel_for(device)
+    if k is None:
+        raise KernelError(f"the regroup kernel is not loaded on device {device}")
+    k.store_tokens(stream, stores)
+
+
+__all__ = ["KernelError", "register_host", "store_after", "store_by_kernel", "unregister_host"]

@@ -129,7 +129,7 @@ class Engine:
                         staging=self._staging, on_report=self._on_report, after_report=self._after_report,
                         on_finished=self._on_finished,
                         on_nixl=self._on_nixl, after_reply=self._defer, spawn=self._spawn,
-                        watch=self._watch_deadline, words=self.words)
+                        watch=self._watch_deadline, words=self.words, replies_now=self.daemon.replies_now)
 
     # -- lifecycle --------------------------------------------------------------------------
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:

@@ -43,15 +43,23 @@ from kvd.regroup.stager import schedule
 
 log = structlog.get_logger("kvd.transfer")
 
-#: ``KVD_GPU_TOKENS=1``: the mapped path's GPU stores the completion tokens right after the
-#: kernel (else only the daemons store them, when they report). Off by default: on the H200
-#: host, where the driver reports no native stream memory operations, the two
-#: ``cuStreamWriteValue64`` stores made a 1-block request slower, p50 0.59 -> 0.79 ms
-#: (docs/performance.md).
-def gpu_tokens() -> bool:
-    """Whether ``KVD_GPU_TOKENS=1`` is set (read at each launch: a daemon started from a warm
-    interpreter imported this module before its environment was final)."""
-    return os.environ.get("KVD_GPU_TOKENS", "0") == "1"
+#: ``KVD_GPU_TOKENS``: ``1`` (or ``kernel``) has the mapped path's GPU store the completion
+#: tokens right after the regroup kernel, with a one-thread kernel launched behind it
+#: (:meth:`kvd.regroup.kernel.RegroupKernel.store_tokens`); ``memop`` with
+#: ``cuStreamWriteValue64`` stream memory operations instead; unset or ``0``: only the daemons
+#: store them, when they report. Off by default (docs/performance.md has the measurements).
+GPU_TOKEN_MODES = ("kernel", "memop")
+
+
+def gpu_tokens() -> str:
+    """How the GPU stores tokens: ``"kernel"``, ``"memop"``, or ``""`` (it does not). Read at
+    each launch: a daemon started from a warm interpreter imported this module before its
+    environment was final."""
+    value = os.environ.get("KVD_GPU_TOKENS", "0").strip().lower()
+    if value == "1":
+        return "kernel"
+    return value if value in GPU_TOKEN_MODES else ""
+
 
 #: Up to this many bytes a host regroup runs on the event loop: a worker-thread hop costs more.
 INLINE_BYTES = 4 << 20
@@ -175,7 +183,10 @@ def _store_tokens(device: int, stores: list[tuple[int, int]]) -> None:
     if ring is None or ring.stream is None:
         return
     try:
-        signal.store_after(ring.ctx, ring.stream, stores)
+        if gpu_tokens() == "memop":
+            signal.store_after(ring.ctx, ring.stream, stores)
+        else:
+            signal.store_by_kernel(device, ring.stream, stores)
         mark("tokens stored")
     except kernel_mod.KernelError as exc:
         log.warning("transfer.tokens_not_stored", device=device, error=str(exc),

@@ -149,6 +149,9 @@ class Env:
     watch: Callable[[Transfer], None] = field(default=lambda t: None)
     #: the daemon's completion page (:mod:`kvd.transfer.words`), None in unit tests
     words: CompletionPage | None = None
+    #: the GPU will store ctx's completion token (the kernel is launched): the replies the
+    #: registering session holds may go now, so its executor watches its slot meanwhile
+    replies_now: Callable[[], None] = field(default=lambda: None)
 
 
 #: Events that may fail a side: a side whose completion token is in is settled first.
@@ -1123,6 +1126,8 @@ class Transfer:
             job.dst, job.mapped = {}, {}
             return self._send_rest_as_task(job, link, p)
         job.stages["gpu_launch_inline"] = 1  # (the transfer.done line says how it started)
+        if self._stores_own_token(job.stores):
+            self.env.replies_now()
         self._ctx_run = run
         self._landed = run.launched.landed
         self.feed(f.PathChosen(f.Role.CTX, f.Path.MAPPED))
@@ -1148,7 +1153,7 @@ class Transfer:
     def _token_stores(self, link: PeerLink, p: Plan) -> list[tuple[int, int]]:
         """The completion tokens ctx's GPU stores after the kernel (mapped path): gen's, into
         the peer's page mapped here, and ours, for the ctx executor; each slot's outcome is
-        written before (gen primed its own when it announced). None unless ``KVD_GPU_TOKENS=1``."""
+        written before (gen primed its own when it announced). Empty unless ``KVD_GPU_TOKENS`` is on."""
         stores: list[tuple[int, int]] = []
         if not gpu_tokens():
             return stores
@@ -1160,6 +1165,11 @@ class Transfer:
             words.prime(side.word, p.total_bytes(), "mapped", len(p.src_ranks()))
             stores.append((words.device_ptr + side.word * SLOT_BYTES, side.token))
         return stores
+
+    def _stores_own_token(self, stores: list[tuple[int, int]]) -> bool:
+        """Whether the GPU stores our ctx side's token (then its executor may watch its slot)."""
+        side = self.sides.get(f.Role.CTX)
+        return side is not None and side.token != 0 and any(v == side.token for _, v in stores)
 
     def settle_tokens(self) -> None:
         """A side whose completion token a GPU stored is done now (see :meth:`_settle_tokens`):

@@ -42,9 +42,11 @@ def _until(what: Callable[[], bool], timeout: float = 30.0) -> None:
         time.sleep(0.005)
 
 
+@pytest.mark.parametrize("mode", ["1", "memop"])  # the token-store kernel (1), stream memory operations
 def test_gen_executors_complete_from_ctx_gpu_tokens_while_their_daemon_is_stopped(
-        daemon_factory: Callable[..., DaemonProcess], short_tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("KVD_GPU_TOKENS", "1")  # (the daemons inherit it)
+        daemon_factory: Callable[..., DaemonProcess], short_tmp: Path, monkeypatch: pytest.MonkeyPatch,
+        mode: str) -> None:
+    monkeypatch.setenv("KVD_GPU_TOKENS", mode)  # (the daemons inherit it)
     gen_dev = 1 if torch.cuda.device_count() > 1 else 0
     pair = start_pair(daemon_factory, short_tmp, LAYOUT, LAYOUT, num_blocks=32, mapped=True, memory="auto",
                       ctx_device=0, gen_device=gen_dev)
@@ -104,3 +106,50 @@ def test_gen_executors_complete_from_ctx_gpu_tokens_while_their_daemon_is_stoppe
         assert '"transfer.failed"' not in pair.gen.log() and '"transfer.failed"' not in pair.ctx.log()
         assert '"transfer.tokens_not_stored"' not in pair.ctx.log()
         assert '"transfer.completion_page_not_registered"' not in pair.ctx.log()
+
+
+def test_token_store_kernel_stores_only_after_the_work_before_it() -> None:
+    """``kvd_store_tokens`` behind work the host holds back (a stream wait on a host word):
+    nothing is stored until that work may finish; then every token, full 64-bit values
+    included; bad store lists are refused with nothing enqueued."""
+    import mmap
+
+    import numpy as np
+    from cuda.bindings import driver as cu
+
+    from kvd.regroup import kernel as kernel_mod
+    from kvd.regroup import signal as signal_mod
+
+    k = kernel_mod.kernel_for(0)
+    if k is None:
+        pytest.skip("the regroup kernel cannot be loaded here (see regroup.kernel_unavailable)")
+    page = mmap.mmap(-1, 4096)
+    words = np.frombuffer(page, dtype=np.uint64)
+    address = words.__array_interface__["data"][0]
+    dptr = signal_mod.register_host(address, 4096, 0)
+    try:
+        stream = torch.cuda.Stream(device=0)  # type: ignore[no-untyped-call]
+        gate, tokens = dptr, [(dptr + 8 * (1 + i), v) for i, v in enumerate((7, (1 << 64) - 3, 1 << 63))]
+        assert kernel_mod._check(cu.cuCtxPushCurrent(k.ctx), "cuCtxPushCurrent") is None
+        try:  # the stream waits for the host to open the gate
+            kernel_mod._check(cu.cuStreamWaitValue32(cu.CUstream(stream.cuda_stream), cu.CUdeviceptr(gate), 1,
+                                                     cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ),
+                              "cuStreamWaitValue32")
+        finally:
+            cu.cuCtxPopCurrent()
+        signal_mod.store_by_kernel(0, stream.cuda_stream, tokens)
+        assert stream.query() is False
+        assert words[1:4].tolist() == [0, 0, 0]  # the gate is shut: no store can have run
+        words[0] = 1
+        stream.synchronize()
+        assert words[1:4].tolist() == [7, (1 << 64) - 3, 1 << 63]
+        for bad in ([], [(gate, 1)] * (kernel_mod.MAX_TOKEN_STORES + 1), [(gate, -1)], [(gate, 1 << 64)]):
+            with pytest.raises(kernel_mod.KernelError):
+                k.store_tokens(stream.cuda_stream, bad)
+        stream.synchronize()
+        assert words[0] == 1  # nothing was enqueued for the refused lists
+    finally:
+        torch.cuda.synchronize()
+        signal_mod.unregister_host(address)
+        del words
+        page.close()
