@@ -89,6 +89,11 @@ class Side:
     def sessions(self) -> set[int]:
         return {p.session.id for p in self.parts.values()}
 
+    def read_by_page(self) -> bool:
+        """Whether an executor of this side maps the completion page (``AttachWords``): only
+        then is its token worth a GPU store (a reply answers everyone else)."""
+        return any(p.session.reads_page for p in self.parts.values())
+
     def finish(self, completion: m.Completion) -> bool:
         """Record the outcome once; returns False if it was already finished."""
         if self.completion is not None:

@@ -754,11 +754,12 @@ class Transfer:
 
     def _prime_word(self, side: Side) -> tuple[int, int]:
         """gen: the completion slot and token for ctx's GPU to store after its kernel (mapped
-        path, GPU pools), its outcome written now; (-1, 0) where no GPU will store it."""
+        path, GPU pools, an executor that reads the page), its outcome written now; (-1, 0)
+        where no GPU will store it."""
         words = self.env.words
         if words is None or side.word < 0 or not words.device_ptr:
             return -1, 0
-        if not all(p.pool.device >= 0 for p in side.parts.values()):
+        if not all(p.pool.device >= 0 for p in side.parts.values()) or not side.read_by_page():
             return -1, 0
         nbytes = sum(len(p.block_ids) * side.layout.block_bytes(r) for r, p in side.parts.items())
         words.prime(side.word, nbytes, "mapped")
@@ -1152,8 +1153,9 @@ class Transfer:
 
     def _token_stores(self, link: PeerLink, p: Plan) -> list[tuple[int, int]]:
         """The completion tokens ctx's GPU stores after the kernel (mapped path): gen's, into
-        the peer's page mapped here, and ours, for the ctx executor; each slot's outcome is
-        written before (gen primed its own when it announced). Empty unless ``KVD_GPU_TOKENS`` is on."""
+        the peer's page mapped here (when gen named a slot: an executor there reads the page),
+        and ours, when an executor here reads it; each slot's outcome is written before (gen
+        primed its own when it announced). Empty with ``KVD_GPU_TOKENS=0``."""
         stores: list[tuple[int, int]] = []
         if not gpu_tokens():
             return stores
@@ -1161,7 +1163,7 @@ class Transfer:
         if r.word >= 0 and r.token and peer_words is not None and peer_words.device_ptr and r.word < peer_words.slots:
             stores.append((peer_words.device_ptr + r.word * SLOT_BYTES, r.token))
         words, side = self.env.words, self.sides[f.Role.CTX]
-        if words is not None and words.device_ptr and side.word >= 0:
+        if words is not None and words.device_ptr and side.word >= 0 and side.read_by_page():
             words.prime(side.word, p.total_bytes(), "mapped", len(p.src_ranks()))
             stores.append((words.device_ptr + side.word * SLOT_BYTES, side.token))
         return stores
