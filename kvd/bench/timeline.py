@@ -79,10 +79,11 @@ def read_steps(path: Path) -> list[Step]:
 
 
 def run(workdir: Path, *, geometry: str, blocks: int, requests: int, mapped: bool, memory: str = "host",
-        device: int = -1, gen_device: int | None = None, warmup: int = 20, client_spin_s: float = 0.0) -> Trace:
+        device: int = -1, gen_device: int | None = None, warmup: int = 20, client_spin_s: float = 0.0,
+        completion_page: bool = False) -> Trace:
     """Run ``requests`` traced requests (after ``warmup`` untraced-in-the-figures ones) on a
-    fresh pair of daemons in ``workdir``; returns the trace. ``client_spin_s``: every
-    executor's ``Client(spin_s=)``."""
+    fresh pair of daemons in ``workdir``; returns the trace. ``client_spin_s``,
+    ``completion_page``: every executor's ``Client(spin_s=, completion_page=)``."""
     geo = GEOMETRIES[geometry]
     os.environ["KVD_TRACE_STEPS"] = str(workdir / "trace")  # read by the daemons at start
     try:
@@ -94,7 +95,7 @@ def run(workdir: Path, *, geometry: str, blocks: int, requests: int, mapped: boo
     done: list[Request] = []
     try:
         _wait_for_link(gen_d)
-        ex = _Executors(ctx_d, gen_d, blocks, geo, client_spin_s)
+        ex = _Executors(ctx_d, gen_d, blocks, geo, client_spin_s, completion_page)
         try:
             for i in range(warmup):
                 ex.once(f"warm-{i}", True)
@@ -186,6 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gen-device", type=int, default=None, help="gen pools' GPU (default: --device)")
     p.add_argument("--client-spin-us", type=float, default=0.0,
                    help="executors poll their socket this long before sleeping (Client(spin_s=); default 0)")
+    p.add_argument("--completion-page", action="store_true",
+                   help="with --client-spin-us: executors read the daemons' completion pages (Client(completion_page=True))")
     p.add_argument("--show", type=int, default=2, help="timelines printed in all: the median request's, then the fastest requests' (default 2: the median and the fastest)")
     return p
 
@@ -196,11 +199,13 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.blocks < 1 or args.requests < 1 or args.show < 1:
         p.error("--blocks, --requests and --show must be positive")
+    if args.completion_page and args.client_spin_us <= 0:
+        p.error("--completion-page needs --client-spin-us > 0 (only a spinning client reads the page)")
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     with tempfile.TemporaryDirectory(prefix="kvd-timeline-") as tmp:
         trace = run(Path(tmp), geometry=args.geometry, blocks=args.blocks, requests=args.requests,
                     mapped=args.path == "mapped", memory=args.memory, device=args.device, gen_device=args.gen_device,
-                    client_spin_s=args.client_spin_us * 1e-6)
+                    client_spin_s=args.client_spin_us * 1e-6, completion_page=args.completion_page)
     print(report(trace, args.show))
     return 0
 
