@@ -122,6 +122,16 @@ def count_arg(count: int) -> int:
                          f"{count!r:.40}") from None
 
 
+def pool_arg(pool: str) -> str:
+    """A pool argument as the message holds it: the pool's name. ``BadRequest`` for anything
+    else before anything is sent; for the object ``attach`` returned, it names its ``.name``."""
+    if isinstance(pool, str):
+        return pool
+    name = getattr(pool, "name", None)
+    hint = f": pass its name, {name!r} (.name)" if isinstance(name, str) else ""
+    raise BadRequest(f"pool must be the pool's name (a str), got {type(pool).__name__}{hint}")
+
+
 def encode_request(msg: m.Message) -> bytes:
     """``encode(msg)``, with msgspec's ``TypeError`` for a value it cannot write (a numpy
     integer among the block ids, a tensor as the rank) turned into a ``BadRequest`` that says
@@ -211,7 +221,7 @@ def expect_request(
 ) -> m.Expect:
     """The ``Expect`` both clients send (gen side registration)."""
     check_arguments(request_id, deadline_s=deadline_s)
-    return m.Expect(id=id, request_id=request_id, pool=pool, layout=layout, rank=rank,
+    return m.Expect(id=id, request_id=request_id, pool=pool_arg(pool), layout=layout, rank=rank,
                     block_ids=id_list(block_ids), ranks=ranks, deadline_s=deadline_s, peer=peer)
 
 
@@ -228,7 +238,7 @@ def publish_request(
 ) -> m.Publish:
     """The ``Publish`` both clients send (ctx side registration)."""
     check_arguments(request_id, deadline_s=deadline_s)
-    return m.Publish(id=id, request_id=request_id, pool=pool, layout=layout, rank=rank,
+    return m.Publish(id=id, request_id=request_id, pool=pool_arg(pool), layout=layout, rank=rank,
                      block_ids=id_list(block_ids), peer=peer, ranks=ranks, deadline_s=deadline_s)
 
 

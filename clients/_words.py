@@ -96,8 +96,12 @@ class PageWatch:
         del self._noted[request_id]
         self.seen += 1
         duration = out.duration_s or (time.monotonic() - noted.registered_at)
+        # as the daemon's reply says it: the fragment path is the one fallback a success takes;
+        # the peer is the one the registration named ("" when it named none: the daemon's
+        # reply would name the node that matched it)
         return m.Completion(request_id=request_id, ok=True, bytes=out.nbytes, duration_s=duration,
-                            path=out.path, chunks=out.chunks, peer=noted.peer)
+                            path=out.path, chunks=out.chunks, peer=noted.peer,
+                            fallback="fragment" if out.path == "fragment" else "")
 
     def track(self, request_id: str, key: int) -> bool:
         """Have :meth:`finished` look at a noted request's slot, under ``key`` (the caller's

@@ -31,6 +31,7 @@ from clients._wire import (
     expect_request,
     fds_from_ancillary,
     id_list,
+    pool_arg,
     publish_request,
     wait_request,
 )
@@ -64,8 +65,9 @@ class Client:
     wake-up, which on some hosts costs a few hundred microseconds (see docs/performance.md);
     a longer wait sleeps as before, having burnt ``spin_s`` of CPU. ``completion_page`` (with
     ``spin_s`` > 0): map the daemon's completion page and, while spinning, take a request that
-    the page says is done without waiting for its reply (``kvd.mapping.words``; off by default:
-    on the one host measured it did not make requests faster, docs/performance.md).
+    the page says is done without waiting for its reply (``kvd.mapping.words``; off by default.
+    On the mapped path with GPU pools the GPU stores such an executor's token right after the
+    kernel, so it is done when the bytes are: docs/integration.md, "The completion page").
     :class:`~clients.polling.PollingClient` takes ``completion_page`` too, without spinning.
     """
 
@@ -357,20 +359,20 @@ class Client:
         axis order, ``.info`` its :class:`~protocol.messages.PoolInfo`."""
         from clients.attach import map_pool  # before the call: a failed import leaks no fds
 
-        reply, fds = self._call_with_fds(m.AttachPool(id=self._id(), pool=pool), m.Attached)
+        reply, fds = self._call_with_fds(m.AttachPool(id=self._id(), pool=pool_arg(pool)), m.Attached)
         return map_pool(reply, fds)
 
     def alloc(self, pool: str, count: int) -> list[int]:
         """Lease ``count`` free blocks of ``pool`` to this session; returns their ids (not necessarily
         contiguous or sorted). They stay leased until :meth:`free` or the end of the session.
         ``OutOfBlocks`` when fewer are free; ``NotFound`` names the pools there are."""
-        return self._call(m.Alloc(id=self._id(), pool=pool, count=count_arg(count)), m.Allocated).block_ids
+        return self._call(m.Alloc(id=self._id(), pool=pool_arg(pool), count=count_arg(count)), m.Allocated).block_ids
 
     def free(self, pool: str, block_ids: list[int]) -> int:
         """Return leased blocks to ``pool``; returns how many. All or nothing: ``BlockNotLeased`` if an id
         is not leased to this session (never allocated, or freed already), ``BlocksInUse`` while a
         request still uses them (wait for it or cancel it first)."""
-        return self._call(m.Free(id=self._id(), pool=pool, block_ids=id_list(block_ids)), m.Freed).count
+        return self._call(m.Free(id=self._id(), pool=pool_arg(pool), block_ids=id_list(block_ids)), m.Freed).count
 
     def expect(
         self,

@@ -34,6 +34,7 @@ from clients._wire import (
     expect_request,
     fds_from_ancillary,
     id_list,
+    pool_arg,
     publish_request,
     wait_request,
 )
@@ -226,20 +227,20 @@ class AsyncClient:
         axis order, ``.info`` its :class:`~protocol.messages.PoolInfo`."""
         from clients.attach import map_pool  # before the call: a failed import leaks no fds
 
-        reply, fds = await self._call_with_fds(m.AttachPool(id=self._id(), pool=pool), m.Attached)
+        reply, fds = await self._call_with_fds(m.AttachPool(id=self._id(), pool=pool_arg(pool)), m.Attached)
         return map_pool(reply, fds)
 
     async def alloc(self, pool: str, count: int) -> list[int]:
         """Lease ``count`` free blocks of ``pool`` to this session; returns their ids (not necessarily
         contiguous or sorted). They stay leased until :meth:`free` or the end of the session.
         ``OutOfBlocks`` when fewer are free; ``NotFound`` names the pools there are."""
-        return (await self._call(m.Alloc(id=self._id(), pool=pool, count=count_arg(count)), m.Allocated)).block_ids
+        return (await self._call(m.Alloc(id=self._id(), pool=pool_arg(pool), count=count_arg(count)), m.Allocated)).block_ids
 
     async def free(self, pool: str, block_ids: list[int]) -> int:
         """Return leased blocks to ``pool``; returns how many. All or nothing: ``BlockNotLeased`` if an id
         is not leased to this session (never allocated, or freed already), ``BlocksInUse`` while a
         request still uses them (wait for it or cancel it first)."""
-        msg = m.Free(id=self._id(), pool=pool, block_ids=id_list(block_ids))
+        msg = m.Free(id=self._id(), pool=pool_arg(pool), block_ids=id_list(block_ids))
         return (await self._call(msg, m.Freed)).count
 
     async def expect(

@@ -111,3 +111,40 @@ def test_a_spinning_client_takes_quick_replies_and_sleeps_through_long_waits(
     with Client(d.socket_path, client="spinner-untimed", spin_s=0.05) as kvd:  # a blocking socket stays blocking
         assert kvd.ping(b"x") == b"x"
         assert kvd._sock.gettimeout() is None
+
+
+def test_the_attached_pool_object_as_a_pool_argument_says_to_pass_its_name(
+        daemon_factory: Callable[..., DaemonProcess]) -> None:
+    """``attach`` returns a mapped pool; passing that object where a pool's name goes (alloc,
+    free, expect, publish, attach) is refused before anything is sent, naming ``.name``; the
+    session goes on and the name works."""
+    d = daemon_factory(name="poolarg")
+    with Client(d.socket_path, client="newcomer") as kvd:
+        pool = kvd.attach("host0")
+        layout = pool.info.layout
+        assert layout is not None
+        said = re.escape("pool must be the pool's name (a str), got MappedPool: pass its name, 'host0' (.name)")
+        calls: list[Callable[[], object]] = [
+            lambda: kvd.alloc(pool, 1),  # type: ignore[arg-type]
+            lambda: kvd.free(pool, [0]),  # type: ignore[arg-type]
+            lambda: kvd.attach(pool),  # type: ignore[arg-type]
+            lambda: kvd.expect("r1", pool, layout, 0, [0]),  # type: ignore[arg-type]
+            lambda: kvd.publish("r2", pool, layout, 0, [0], peer="x"),  # type: ignore[arg-type]
+        ]
+        for call in calls:
+            with pytest.raises(BadRequest, match=said):
+                call()
+        with pytest.raises(BadRequest, match=re.escape("pool must be the pool's name (a str), got int")):
+            kvd.alloc(3, 1)  # type: ignore[arg-type]
+        ids = kvd.alloc(pool.name, 2)
+        assert kvd.free(pool.name, ids) == 2
+        assert kvd.transfers() == []
+        pool.close()
+
+
+async def test_the_async_client_refuses_a_pool_object_too(daemon_factory: Callable[..., DaemonProcess]) -> None:
+    d = daemon_factory(name="poolarg-async")
+    async with open_client(d.socket_path, client="newcomer") as kvd:
+        with pytest.raises(BadRequest, match=re.escape("pool must be the pool's name (a str), got list")):
+            await kvd.alloc(["host0"], 1)  # type: ignore[arg-type]
+        assert len(await kvd.alloc("host0", 1)) == 1
