@@ -416,7 +416,8 @@ TRANSITIONS: dict[Role, dict[State, dict[type[Event], State]]] = {
             RankRegistered: _S.REGISTERING, SideComplete: _S.READY, **_FAILURES,
         },
         _S.READY: {**_FAILURES},
-        _S.OFFERED: {PathReceived: _S.SENDING, FailReceived: _S.FAILED, **_FAILURES},
+        # LandedSeen: as in IDLE, the token came before the path message (offer/accept order)
+        _S.OFFERED: {PathReceived: _S.SENDING, LandedSeen: _S.DONE, FailReceived: _S.FAILED, **_FAILURES},
         _S.SENDING: {
             # PathReceived: the peer's ctx switched bounce → fragment
             PathChosen: _S.SENDING, PathReceived: _S.SENDING, **_keep(_S.SENDING, WritePosted, WriteEnded),
@@ -773,13 +774,14 @@ class TransferMachine:
         self._set(side, new)
 
     def _on_landed_seen(self, event: LandedSeen, side: SideState, new: State, out: list[Action]) -> None:
-        if side.state is _IDLE:
+        early = side.state is _IDLE or side.state is _OFFERED  # before ctx's path message
+        if early:
             # only the mapped path's kernel stores gen's completion token, and only into a
             # destination gen handed out
             if not self.dest_out or self.path not in (None, Path.MAPPED):
                 raise LocalProtocolError("a landed request before gen handed out its destination")
             self.path = Path.MAPPED
-        if side.state is _SENDING or side.state is _IDLE:
+        if side.state is _SENDING or early:
             if self.path is not Path.MAPPED:
                 raise LocalProtocolError(f"a landed event on the {self.path.value if self.path else 'unknown'} "
                                          "path (only the mapped path's kernel records one)")

@@ -167,6 +167,26 @@ def test_gen_done_from_the_completion_token_before_the_path_message() -> None:
         early.handle(LandedSeen(CTX, 4096))
 
 
+def test_gen_done_from_the_completion_token_after_an_offer_before_the_path_message() -> None:
+    """ctx published first (offer/accept): the token can come before the path message too,
+    with ctx still 'offered' here. gen is done (its executor may reuse the blocks at once)."""
+    gen = TransferMachine(here={GEN})
+    gen.handle(OfferReceived(CTX, deadline=12.0))
+    assert gen.state(CTX) is State.OFFERED
+    gen.handle(SideComplete(GEN, deadline=12.0))
+    assert gen.state(GEN) is State.DEST_OUT
+    out = gen.handle(LandedSeen(CTX, 4096))
+    assert gen.state(GEN) is State.DONE and gen.state(CTX) is State.DONE and gen.path is Path.MAPPED
+    assert reports(out) == [Report(GEN, True)] and gen.nbytes == 4096
+    assert gen.handle(PathReceived(CTX, Path.MAPPED)) == []
+    assert gen.handle(DataDoneReceived(CTX, 0, 4096)) == []
+    offered = TransferMachine(here={GEN})  # offered, gen not complete: no destination handed out
+    offered.handle(OfferReceived(CTX, deadline=12.0))
+    offered.handle(RankRegistered(GEN, deadline=12.0))
+    with pytest.raises(LocalProtocolError, match="before gen handed out its destination"):
+        offered.handle(LandedSeen(CTX, 4096))
+
+
 def test_gen_announces_and_publish_starts_with_zero_round_trips() -> None:
     gen = TransferMachine(here={GEN})
     assert gen.handle(RankRegistered(GEN, deadline=10.0)) == []

@@ -157,7 +157,9 @@ class Env:
 #: Events that may fail a side: a side whose completion token is in is settled first.
 _MAY_FAIL = (f.Cancel, f.Disconnect, f.LocalFailure, f.Clock, f.PeerLost, f.FailReceived)
 _RECEIVING_STATES = frozenset({f.State.DEST_OUT, f.State.RECEIVING})
-_UNLANDED = frozenset({f.State.IDLE, f.State.SENDING})
+#: ctx states, seen from gen, in which ctx's GPU may have stored gen's token (offered: ctx published
+#: first, and its kernel ran before its path message was read here)
+_UNLANDED = frozenset({f.State.IDLE, f.State.OFFERED, f.State.SENDING})
 
 
 @dataclass

@@ -153,3 +153,66 @@ def test_token_store_kernel_stores_only_after_the_work_before_it() -> None:
         signal_mod.unregister_host(address)
         del words
         page.close()
+
+
+def test_offer_accept_blocks_are_reusable_as_soon_as_the_page_says_done(
+        daemon_factory: Callable[..., DaemonProcess], short_tmp: Path) -> None:
+    """ctx published first (offer/accept): gen's executor may see its token, stored by ctx's
+    GPU, before gen's daemon read ctx's path message. Registering the same gen blocks to the
+    next request at once must then succeed: the daemon settles the request done (the ctx side
+    it knows of is still 'offered') instead of refusing the blocks as in use.
+
+    Deterministic up to the order the resumed gen daemon reads its two sockets in: ctx is
+    stopped while gen accepts (the accept waits in ctx's socket), gen is stopped before ctx
+    resumes (the path message waits in gen's), and the executor's page completion comes while
+    gen is stopped; the next registration is written before gen resumes."""
+    gen_dev = 1 if torch.cuda.device_count() > 1 else 0
+    pair = start_pair(daemon_factory, short_tmp, LAYOUT, LAYOUT, num_blocks=32, mapped=True, memory="auto",
+                      ctx_device=0, gen_device=gen_dev)
+    pair.ctx.logged("peer.pools_mapped")
+    with Client(pair.ctx.socket_path, client="ctx") as ctx, \
+            Client(pair.gen.socket_path, client="gen", spin_s=1.0, completion_page=True) as gen, \
+            Client(pair.gen.socket_path, client="probe") as probe:
+        c_info, g_info = ctx.pools()[0], gen.pools()[0]
+        c_ids, g_ids = ctx.alloc(c_info.name, 4), gen.alloc(g_info.name, 4)
+        for i in range(2):  # the first loads the kernel; then its launches are inline and store tokens
+            ctx.publish(f"warm-{i}", c_info.name, LAYOUT, 0, c_ids, peer="gen", deadline_s=60)
+            assert gen.expect_and_wait(f"warm-{i}", g_info.name, LAYOUT, 0, g_ids, peer="ctx", deadline_s=60).ok
+            assert ctx.wait(f"warm-{i}").ok
+        before = gen.page_completions
+        rounds = 4
+        for i in range(rounds):
+            rid = f"oa-{i}"
+            ctx.publish(rid, c_info.name, LAYOUT, 0, c_ids, peer="gen", deadline_s=60)
+            _until(lambda: probe.stats().transfers_active == 1)  # the offer reached gen
+            os.kill(pair.ctx.pid, signal.SIGSTOP)
+            try:
+                gen.expect(rid, g_info.name, LAYOUT, 0, g_ids, peer="ctx", deadline_s=60)  # gen accepts
+                os.kill(pair.gen.pid, signal.SIGSTOP)
+            finally:
+                os.kill(pair.ctx.pid, signal.SIGCONT)
+            outcome: list[object] = []
+            try:
+                got = gen.wait(rid, timeout_s=30)  # from the page: gen's daemon is stopped
+                assert got.ok and got.path == "mapped", got
+
+                def register_next(rid: str = f"next-{i}", outcome: list[object] = outcome) -> None:
+                    try:
+                        # (no peer: nothing is announced; the request ends with its cancel, below)
+                        gen.expect(rid, g_info.name, LAYOUT, 0, g_ids, deadline_s=60)
+                        outcome.append(rid)
+                    except BaseException as exc:
+                        outcome.append(exc)
+
+                nxt = threading.Thread(target=register_next)
+                nxt.start()
+            finally:
+                os.kill(pair.gen.pid, signal.SIGCONT)
+            nxt.join(timeout=30)
+            assert len(outcome) == 1 and not isinstance(outcome[0], BaseException), outcome
+            assert ctx.wait(rid).ok
+            gen.cancel(f"next-{i}")  # (never published: it ends here, its blocks go back)
+            _until(lambda: probe.stats().transfers_active == 0)
+        assert gen.page_completions - before == rounds
+        assert '"transfer.failed"' not in pair.ctx.log()
+        assert [d["role"] for d in pair.gen.logged("transfer.done", request_id="oa-0")] == ["gen"]
