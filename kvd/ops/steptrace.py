@@ -5,6 +5,7 @@ per step, the last 400,000 steps)."""
 
 from __future__ import annotations
 
+import gc
 import time
 from collections import deque
 from typing import Any
@@ -40,6 +41,13 @@ class StepTrace(Instrument):
         self._io_t0 = 0.0
         global _active
         _active = self
+        gc.callbacks.append(self._gc)  # collections show as "= gc N" ... "= gc.done" marks
+
+    def _gc(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._steps.append((time.perf_counter(), 0.0, ("gc", (info["generation"],))))
+        else:
+            self._steps.append((time.perf_counter(), 0.0, ("gc.done", (info["collected"],))))
 
     def before_task_step(self, task: Any) -> None:
         self._t0 = time.perf_counter()

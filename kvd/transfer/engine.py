@@ -34,6 +34,7 @@ import structlog
 import trio
 
 from kvd.config import usable_cpus
+from kvd.ops.collector import IdleCollector
 from kvd.ops.throttle import Throttle
 from kvd.transfer.requests import Side, add_registration
 from kvd.transfer.timers import DueHeap
@@ -100,6 +101,7 @@ class Engine:
         self._busy_ev = trio.Event()  # set while a request is unfinished: the busy poll spins
         self.busy_poll = self.cfg.busy_poll_on()
         self.busy_passes = 0  # scheduler passes the busy poll spun (Stats.busy_poll_passes)
+        self.collector = IdleCollector()
         self._wake = trio.Event()  # set when a transfer takes a NIXL path: the idle poller wakes up
         # transfers whose path moves bytes over NIXL: the poller spins while one runs. Mapped
         # and local transfers need no notification, and a spinning poller is a task step in
@@ -160,6 +162,7 @@ class Engine:
                     nursery.start_soon(self._busy_poll)
                 nursery.start_soon(self._expire_ended)
                 nursery.start_soon(self._watch_deadlines)
+                await nursery.start(self.collector.run)
                 task_status.started()
         finally:
             with trio.CancelScope(shield=True):
@@ -678,6 +681,7 @@ class Engine:
         self._nixl_live.discard(t)
         self._running -= 1
         if self._running == 0:
+            self.collector.idle()  # garbage collections now, between requests, not inside them
             if self._idle is not None:  # someone waits (a drain)
                 self._idle.set()
                 self._idle = None
