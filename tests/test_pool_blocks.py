@@ -87,7 +87,8 @@ def test_over_capacity_changes_nothing() -> None:
         a.alloc(2, 4)
     # the remedy, not only the counts
     assert info.value.message.endswith(
-        ": free blocks (release/cancel finished requests) or raise num_blocks / budget_mb"
+        ": free() the blocks of requests that ended (cancel one given up on, then free its blocks once its"
+        " wait returned), or raise num_blocks / budget_mb; kvctl sessions shows which sessions hold blocks"
     ), info.value.message
     assert snapshot(a) == before
     assert len(a.alloc(2, 3)) == 3

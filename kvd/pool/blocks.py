@@ -75,8 +75,9 @@ class BlockAllocator:
         if count > free:
             raise OutOfBlocks(
                 f"pool {self.name!r}: asked for {count} blocks, only {free} free"
-                f" ({self.used} of {self._num_blocks} in use): free blocks (release/cancel finished requests)"
-                " or raise num_blocks / budget_mb"
+                f" ({self.used} of {self._num_blocks} in use): free() the blocks of requests that ended (cancel"
+                " one given up on, then free its blocks once its wait returned), or raise num_blocks / budget_mb;"
+                " kvctl sessions shows which sessions hold blocks"
             )
         held = self.lease_count(session_id)
         if max_per_session is not None and held + count > max_per_session:
