@@ -63,8 +63,8 @@ class Client:
     (default 0: sleep at once). A thread with a core to itself (a serving engine's executor
     waiting for its KV) then takes a reply that comes within ``spin_s`` without a scheduler
     wake-up, which on some hosts costs a few hundred microseconds (see docs/performance.md);
-    a longer wait sleeps as before, having burnt ``spin_s`` of CPU. ``completion_page`` (with
-    ``spin_s`` > 0): map the daemon's completion page and, while spinning, take a request that
+    a longer wait sleeps as before, having burnt ``spin_s`` of CPU. ``completion_page`` (needs
+    ``spin_s`` > 0, else ``BadRequest``): map the daemon's completion page and, while spinning, take a request that
     the page says is done without waiting for its reply (``kvd.mapping.words``; off by default.
     On the mapped path with GPU pools the GPU stores such an executor's token right after the
     kernel, so it is done when the bytes are: docs/integration.md, "The completion page").
@@ -79,6 +79,11 @@ class Client:
         self.path = path or default_socket_path()
         self._timeout = timeout
         self._spin_s = float(spin_s)
+        if completion_page and not self._reads_page():
+            # it used to map nothing, silently: the executor believed it read the page
+            raise BadRequest("completion_page=True needs spin_s > 0 on a Client: only a spinning wait reads the "
+                             "page; give spin_s (e.g. 0.001), or use PollingClient(completion_page=True), "
+                             "whose get_finished reads it without spinning")
         self._closed = False  # close() was called: a later call says so, not "the daemon went away"
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.settimeout(timeout)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from clients import Client, open_client
+from clients import Client, PollingClient, open_client
 from kvd.demo.launch import DaemonProcess
 from protocol.errors import BadRequest, ConnectionClosed, WaitTimeout
 
@@ -91,6 +91,18 @@ def test_a_wait_longer_than_the_client_timeout_is_a_wait_timeout(
 def test_a_bad_spin_is_refused_before_connecting(short_tmp: Path, spin_s: object) -> None:
     with pytest.raises(BadRequest, match=r"spin_s must be a number of seconds >= 0 and at most 1, got .*; 0 sleeps at once"):
         Client(str(short_tmp / "nothing-here.sock"), spin_s=spin_s)  # type: ignore[arg-type]
+
+
+def test_a_completion_page_without_a_spin_is_refused_before_connecting(short_tmp: Path) -> None:
+    """Only a spinning wait reads the page: a Client that would never read it says so instead of
+    mapping nothing silently; a PollingClient reads it in get_finished, without a spin."""
+    with pytest.raises(BadRequest, match=r"completion_page=True needs spin_s > 0 on a Client: .*PollingClient"):
+        Client(str(short_tmp / "nothing-here.sock"), completion_page=True)
+    # past the check: the missing socket is what is refused
+    with pytest.raises(ConnectionClosed, match="cannot connect to kvd"):
+        PollingClient(str(short_tmp / "nothing-here.sock"), completion_page=True)
+    with pytest.raises(ConnectionClosed, match="cannot connect to kvd"):
+        Client(str(short_tmp / "nothing-here.sock"), spin_s=0.001, completion_page=True)
 
 
 def test_a_spinning_client_takes_quick_replies_and_sleeps_through_long_waits(
