@@ -202,6 +202,29 @@ def check_arguments(request_id: str, *, deadline_s: float | None = None, timeout
                              f"{MAX_DEADLINE_S:g}, got {value!r}; {unset}")
 
 
+def registration_args(layout: KVLayout, block_ids: Sequence[int], peer: str, *, publish: bool) -> list[int]:
+    """Refuse, before anything is sent, the registration arguments that the daemon's decoder
+    would refuse as a malformed message (a ``protocol`` error) or that it would take wrongly:
+    a layout that is not a ``KVLayout``, a ``peer`` that is not a string (or, to ``publish``,
+    is empty), block ids in a set (no token order). Returns the block ids as a list."""
+    if not isinstance(layout, KVLayout):
+        raise BadRequest(f"layout must be a protocol.layout.KVLayout, got {type(layout).__name__}; build one "
+                         "with KVLayout(num_layers=..., num_kv_heads=..., ...), or take the pool's: "
+                         "attach(pool).info.layout")
+    if not isinstance(peer, str):
+        raise BadRequest(f"peer must be a node name (a str), got {type(peer).__name__} {peer!r:.40}"
+                         + ("" if publish else "; leave it out (\"\") when the ctx node is not known"))
+    if publish and not peer:
+        raise BadRequest("publish needs peer=, the gen daemon's node name (its [[peers]] name here or on the "
+                         "gen daemon; kvctl peers lists the linked ones), or this daemon's own node for a "
+                         "transfer between its own pools")
+    if isinstance(block_ids, set | frozenset | dict):
+        raise BadRequest(f"block_ids must be in the request's token order (a list, an array, a tensor), got a "
+                         f"{type(block_ids).__name__}, which has no order: token t lives in block_ids[t // "
+                         "tokens_per_block]")
+    return id_list(block_ids)
+
+
 def wait_request(id: int, request_id: str, timeout_s: float | None) -> m.Wait:
     """The ``Wait`` both clients send."""
     check_arguments(request_id, timeout_s=timeout_s)
@@ -221,8 +244,9 @@ def expect_request(
 ) -> m.Expect:
     """The ``Expect`` both clients send (gen side registration)."""
     check_arguments(request_id, deadline_s=deadline_s)
+    ids = registration_args(layout, block_ids, peer, publish=False)
     return m.Expect(id=id, request_id=request_id, pool=pool_arg(pool), layout=layout, rank=rank,
-                    block_ids=id_list(block_ids), ranks=ranks, deadline_s=deadline_s, peer=peer)
+                    block_ids=ids, ranks=ranks, deadline_s=deadline_s, peer=peer)
 
 
 def publish_request(
@@ -238,8 +262,9 @@ def publish_request(
 ) -> m.Publish:
     """The ``Publish`` both clients send (ctx side registration)."""
     check_arguments(request_id, deadline_s=deadline_s)
+    ids = registration_args(layout, block_ids, peer, publish=True)
     return m.Publish(id=id, request_id=request_id, pool=pool_arg(pool), layout=layout, rank=rank,
-                     block_ids=id_list(block_ids), peer=peer, ranks=ranks, deadline_s=deadline_s)
+                     block_ids=ids, peer=peer, ranks=ranks, deadline_s=deadline_s)
 
 
 def completion_or_raise(reply: m.Completion) -> m.Completion:

@@ -105,7 +105,8 @@ class PollingClient(Client):
         """:meth:`~clients.Client.expect` and :meth:`watch` in one write, waiting for no reply: a
         refused registration (``IncompatibleLayout``, ``BlockNotLeased``, ``DuplicateRequest``, …)
         comes back from :meth:`get_finished` as the request's failed completion. Arguments the
-        client can check (request id, ``deadline_s``) raise ``BadRequest`` here, nothing sent."""
+        client can check (request id, ``deadline_s``, the layout's type, ``peer``, block ids in a
+        set) raise ``BadRequest`` here, nothing sent."""
         msg = expect_request(self._id(), request_id, pool, layout, rank, block_ids, ranks, deadline_s, peer)
         self._send_watched(msg, request_id)
 

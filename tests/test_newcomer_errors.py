@@ -7,7 +7,8 @@
 - a transfer to the daemon's own node that no gen rank expects is not "no link to the peer";
 - a second ``wait`` for a request whose outcome was reported, or a wait on another session;
 - ``deadline_s`` / ``timeout_s`` / ``request_id`` out of the protocol's bounds are refused by the
-  client as the argument they are, not by the daemon as a malformed message;
+  client as the argument they are, not by the daemon as a malformed message; so are a ``peer``
+  or a layout of the wrong type, a publish without a peer, and block ids in a set;
 - the daemon going away under a session says what to do next.
 """
 
@@ -26,7 +27,7 @@ import msgspec
 import pytest
 import trio
 
-from clients import Client, open_client
+from clients import Client, PollingClient, open_client
 from kvd.demo.launch import DaemonProcess, write_config
 from kvd.startup import EX_CONFIG
 from protocol.errors import BadRequest, ConnectionClosed, IncompatibleLayout, NotFound, TransferTimeout
@@ -246,6 +247,40 @@ async def test_async_client_refuses_out_of_bounds_arguments(daemon_factory: Call
             await kvd.wait("r", timeout_s=-1)
         assert await kvd.transfers() == []
         assert await kvd.ping(b"on") == b"on"
+
+
+def test_registration_arguments_the_client_can_check_are_refused_before_sending(
+        daemon_factory: Callable[..., DaemonProcess]) -> None:
+    """A ``peer`` of None or a layout that is not a KVLayout reached the daemon, whose decoder
+    answered ``[protocol] invalid message: Expected `str`, got `None` - at `$.peer```; a publish
+    with no peer got ``publish needs the gen peer's node name`` back; block ids in a set were
+    taken in the set's order, which is not the request's token order."""
+    d = daemon_factory(name="args")
+    with Client(d.socket_path, client="args") as kvd, PollingClient(d.socket_path, client="poll") as poll:
+        layout = kvd.pools()[0].layout
+        assert layout is not None
+        ids = kvd.alloc("host0", 2)
+        cases: list[tuple[Callable[[], object], str]] = [
+            (lambda: kvd.publish("r", "host0", layout, 0, ids, ""),
+             "publish needs peer=, the gen daemon's node name"),
+            (lambda: kvd.publish("r", "host0", layout, 0, ids, None),  # type: ignore[arg-type]
+             "peer must be a node name (a str), got NoneType None"),
+            (lambda: kvd.expect("r", "host0", layout, 0, ids, peer=None),  # type: ignore[arg-type]
+             "peer must be a node name (a str), got NoneType None; leave it out"),
+            (lambda: kvd.expect("r", "host0", msgspec.structs.asdict(layout), 0, ids),  # type: ignore[arg-type]
+             "layout must be a protocol.layout.KVLayout, got dict"),
+            (lambda: kvd.expect("r", "host0", layout, 0, set(ids)),  # type: ignore[arg-type]
+             "block_ids must be in the request's token order (a list, an array, a tensor), got a set"),
+            (lambda: poll.publish_and_watch("r", "host0", layout, 0, ids, ""),
+             "publish needs peer=, the gen daemon's node name"),
+        ]
+        for register, said in cases:
+            with pytest.raises(BadRequest) as info:
+                register()
+            assert info.value.message.startswith(said), info.value.message
+        assert poll.watching == 0 and poll.get_finished() == []
+        assert kvd.transfers() == []  # nothing was sent: nothing registered
+        assert kvd.free("host0", set(ids)) == 2  # type: ignore[arg-type]  # freeing needs no order
 
 
 def test_blocking_client_of_a_killed_daemon_says_what_to_do(daemon_factory: Callable[..., DaemonProcess]) -> None:
