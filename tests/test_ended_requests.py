@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import socket
 from collections.abc import Callable
 from functools import partial
@@ -262,7 +263,9 @@ async def test_a_ctx_abort_while_the_link_was_down_reaches_gen_when_it_comes_up(
     await logged(gen, "transfer.dropped", request_id="r-down")
     with trio.fail_after(20), pytest.raises(TransferCancelled, match="already failed: ctx side failed") as info:
         await late_rank1(gen, "r-down")
-    assert "session" in info.value.message
+    # who left, in the words the other side hears: the session's client name, pid and ranks
+    assert re.search(r"executor session \d+ \('ctx0', pid \d+, rank 0\) ended before the request did",
+                     info.value.message), info.value.message
 
 
 def test_failure_notices_owed_to_a_peer_that_is_down_are_bounded() -> None:

@@ -553,7 +553,11 @@ class Engine:
                     # the transfer holds these blocks until it reported: no write lands in a reused block
                     for p in parts:
                         p.pool.blocks.hand_over(session.id, self._quarantine(t, role), p.block_ids)
-                    t.feed(f.Disconnect(role, f"request {t.request_id!r}: executor session {session.id} ended"))
+                    # name who left: every rank of the side hears it, the survivors included
+                    who = f"{session.client!r}, " if session.client else ""
+                    t.feed(f.Disconnect(role, f"request {t.request_id!r}: executor session {session.id} "
+                                              f"({who}pid {session.pid}, rank {', '.join(str(p.rank) for p in parts)}) "
+                                              "ended before the request did"))
                 for p in parts:
                     p.session_gone = True
             self._maybe_forget(t)

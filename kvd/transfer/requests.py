@@ -261,7 +261,8 @@ def add_registration(
     if side.ranks != ranks:
         raise BadRequest(f"request {msg.request_id!r}: participants {list(ranks)} differ from earlier {list(side.ranks)}")
     if side.peer != peer:
-        raise BadRequest(f"request {msg.request_id!r}: peer {peer!r} differs from earlier {side.peer!r}")
+        raise BadRequest(f"request {msg.request_id!r}: peer {peer!r} differs from earlier ranks' {side.peer!r}; "
+                         "every rank of a side names the same peer (the other side's node), or none")
     if msg.rank in side.parts:
         raise DuplicateRequest(f"request {msg.request_id!r}: rank {msg.rank} already registered ({role})")
     side.parts[msg.rank] = RankPart(msg.rank, pool, list(msg.block_ids), session)
