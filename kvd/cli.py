@@ -21,7 +21,6 @@ def _serve(args: argparse.Namespace) -> int:
     from kvd.config import load_config, table_keys
     from kvd.daemon import check_config
     from kvd.ops.logs import configure_logging
-    from kvd.server import serve
     from kvd.startup import check_host_pools, config_error, explain, host_memory
 
     try:
@@ -35,6 +34,8 @@ def _serve(args: argparse.Namespace) -> int:
         check_host_pools(_host_pools(config), host_memory())
     except StartupError as exc:
         return _report(exc, stage="startup")
+    from kvd.server import serve  # torch with it (~1 s): a configuration refused above is told at once
+
     ready = False
 
     async def run() -> None:

@@ -13,6 +13,13 @@ import pytest
 
 # Tests talk to loopback only: UCX would otherwise also use the machine's other interfaces.
 os.environ["UCX_NET_DEVICES"] = "lo"
+# Every process that loads NIXL (each of the ~400 daemons the suite starts) has UCX patch mmap,
+# munmap and six more functions for its memory events when libucs loads ("bistro" hooks), and
+# wait a grace period after each for threads inside the function: 50 ms by default in this UCX,
+# spent spinning on sched_yield, ~0.4 s of CPU per daemon before it can create its agent (a
+# third of a daemon's start-up on a 2-core box). 5 ms (the grace UCX's bistro code once had
+# hard-coded) installs the same hooks the same way in ~0.05 s.
+os.environ.setdefault("UCX_MEM_BISTRO_GRACE_DURATION", "5ms")
 
 from kvd.demo.launch import DaemonProcess, start_daemon, use_warm_interpreters
 
@@ -32,9 +39,9 @@ def multigpu_skip_reason(need: int, have: int) -> str | None:
 def pytest_configure(config: pytest.Config) -> None:
     """Daemons start in interpreters that imported torch ahead (kvd.demo.launch.WarmInterpreters):
     READY=1 in ~0.8 s instead of ~1.7 s, over the few hundred daemons the suite starts.
-    ``KVD_TEST_WARM=0`` starts each in a fresh ``python -m kvd`` (N: N kept ready; 2 by default,
-    a ctx/gen pair)."""
-    use_warm_interpreters(int(os.environ.get("KVD_TEST_WARM", "2")))
+    ``KVD_TEST_WARM=0`` starts each in a fresh ``python -m kvd`` (N: N kept ready; 4 by default:
+    a ctx/gen pair to take and a pair warming behind it)."""
+    use_warm_interpreters(int(os.environ.get("KVD_TEST_WARM", "4")))
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -42,7 +49,13 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """``@pytest.mark.multigpu(n)``: also a ``gpu`` test, skipped where fewer than n GPUs exist."""
+    """``@pytest.mark.multigpu(n)``: also a ``gpu`` test, skipped where fewer than n GPUs exist.
+
+    The ``soak`` test (two minutes of its own) runs first: under the README's ``-n 2`` one
+    worker runs it while the other runs the rest, where last it would end the run alone
+    (``--no-loadscope-reorder`` keeps this order: by default xdist sends the files with the
+    most tests first, and the soak's file has one)."""
+    items.sort(key=lambda item: item.get_closest_marker("soak") is None)  # stable: the rest keep their order
     have: int | None = None
     for item in items:
         mark = item.get_closest_marker("multigpu")

@@ -36,6 +36,7 @@ from clients.client import AsyncClient
 from kvd.demo.launch import DaemonProcess
 from protocol.errors import KvdError, TransferCancelled
 from protocol.layout import KVLayout
+from tests.ports import unused_port
 from tests.transfer_harness import assert_exact, pools_for, run_transfer, start_pair, wait_for_peer
 
 Factory = Callable[..., DaemonProcess]
@@ -250,7 +251,8 @@ async def test_a_ctx_abort_while_the_link_was_down_reaches_gen_when_it_comes_up(
     fast = {"bounce_size_mb": 4, "chunk_mb": 1, "mapped": False, "reconnect_initial_s": 0.05,
             "reconnect_max_s": 0.2}
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as dead:
-        dead.bind(("127.0.0.1", 0))  # held, never listening: ctx's dials are refused
+        # held, never listening: ctx's dials are refused; gen listens on it once it is let go
+        dead.bind(("127.0.0.1", unused_port()))
         port = dead.getsockname()[1]
         ctx = daemon_factory({"pools": pools_for("ctx", CTX, 16), "peer_secret_file": secret, "transfer": fast,
                               "peers": [{"name": "gen", "host": "127.0.0.1", "port": port}]}, name="ctx")

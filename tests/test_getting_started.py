@@ -27,6 +27,7 @@ import pytest
 from kvd.config import Config, LimitsConfig, TransferConfig
 from kvd.demo.launch import DaemonProcess
 from tests.hostile import events, wait_until
+from tests.ports import unused_port
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "getting-started.md"
@@ -65,19 +66,12 @@ def workdir() -> Iterator[Path]:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def free_port() -> int:
-    """A TCP port nothing listens on right now (the kernel picks it)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_getting_started_runs_as_written(workdir: Path) -> None:
     files, script = extract(DOC.read_text())
     # The one change to the page: its peer port becomes a free one, so that the test does not fail
     # when someone on the machine is following the guide, or another checkout runs this test.
     assert DOC_PEER_PORT in files["gen.toml"] and DOC_PEER_PORT in files["ctx.toml"]
-    port = str(free_port())
+    port = str(unused_port())
     for name, text in files.items():
         (workdir / name).write_text(text.replace(DOC_PEER_PORT, port))
     (workdir / "run.sh").write_text("set -euo pipefail\n" + script.replace(DOC_PEER_PORT, port))

@@ -27,6 +27,7 @@ from protocol import messages as m
 from protocol.errors import TransferCancelled
 from protocol.layout import KVLayout
 from tests.conftest import host_pool
+from tests.ports import unused_port
 
 MAX_SESSIONS = 6
 
@@ -505,14 +506,9 @@ def test_peers_and_ctx_duration_from_the_match(pair: tuple[DaemonProcess, Daemon
 
 
 def test_peer_not_connected_shows_why(daemon_factory: Callable[..., DaemonProcess], short_tmp: Path) -> None:
-    import socket as stdsocket
-
     from kvd.demo.pair import write_secret
 
-    closed = stdsocket.socket()
-    closed.bind(("127.0.0.1", 0))
-    port = closed.getsockname()[1]
-    closed.close()  # nobody listens there now
+    port = unused_port()  # nobody listens there
     d = daemon_factory({"peer_secret_file": write_secret(short_tmp),
                         "peers": [{"name": "ghost", "host": "127.0.0.1", "port": port}]}, name="lonely")
     _until(lambda: ok_json("peers", socket=d.socket_path)[0]["error"], "a failed connection attempt")

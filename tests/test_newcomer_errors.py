@@ -19,7 +19,8 @@ import math
 import os
 import shutil
 import sys
-from collections.abc import Callable
+import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,7 @@ import pytest
 import trio
 
 from clients import Client, PollingClient, open_client
-from kvd.demo.launch import DaemonProcess, write_config
+from kvd.demo.launch import DaemonProcess, start_daemon, write_config
 from kvd.startup import EX_CONFIG
 from protocol.errors import BadRequest, ConnectionClosed, IncompatibleLayout, NotFound, TransferTimeout
 from protocol.layout import KVLayout
@@ -185,6 +186,20 @@ def test_layout_mistakes_say_what_to_leave_out(daemon_factory: Callable[..., Dae
         g0.free("gen0", ids)
 
 
+@pytest.fixture(scope="module")
+def args_daemon() -> Iterator[DaemonProcess]:
+    """One daemon (the default configuration) for the tests of arguments the client refuses
+    before anything is sent: none registers a request, and each session's leases end with it."""
+    workdir = tempfile.mkdtemp(prefix="kvdn-", dir="/tmp")
+    d = start_daemon({"pools": [host_pool()], "transfer": {"bounce_size_mb": 16, "chunk_mb": 2}},
+                     workdir=workdir, name="args")
+    try:
+        yield d
+    finally:
+        d.kill()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
 BAD_ARGUMENTS = [
     ({"deadline_s": 0}, "deadline_s must be a number of seconds > 0 and at most 86400, got 0; "
                         "None takes the daemon's [transfer] deadline_s"),
@@ -198,10 +213,10 @@ BAD_ARGUMENTS = [
 
 @pytest.mark.parametrize(("bad", "said"), BAD_ARGUMENTS)
 def test_blocking_client_refuses_out_of_bounds_arguments(
-        daemon_factory: Callable[..., DaemonProcess], bad: dict[str, Any], said: str) -> None:
+        args_daemon: DaemonProcess, bad: dict[str, Any], said: str) -> None:
     """Such a value used to reach the daemon, whose decoder answered ``[protocol] invalid message:
     Expected `float` > 0.0 - at `$.deadline_s``` (a wire fault, to a newcomer's eye)."""
-    d = daemon_factory(name="args")
+    d = args_daemon
     with Client(d.socket_path, client="args") as kvd:
         layout = kvd.pools()[0].layout
         assert layout is not None
@@ -221,8 +236,8 @@ def test_blocking_client_refuses_out_of_bounds_arguments(
         kvd.free("host0", ids)
 
 
-def test_a_negative_wait_timeout_is_refused_by_the_client(daemon_factory: Callable[..., DaemonProcess]) -> None:
-    d = daemon_factory(name="args")
+def test_a_negative_wait_timeout_is_refused_by_the_client(args_daemon: DaemonProcess) -> None:
+    d = args_daemon
     with Client(d.socket_path, client="args") as kvd:
         for bad in (-1.0, math.inf):
             with pytest.raises(BadRequest, match=r"^\[bad_request\] timeout_s must be a number of seconds >= 0 and at most 86400, "
@@ -233,8 +248,8 @@ def test_a_negative_wait_timeout_is_refused_by_the_client(daemon_factory: Callab
             kvd.wait("r", timeout_s=0)
 
 
-async def test_async_client_refuses_out_of_bounds_arguments(daemon_factory: Callable[..., DaemonProcess]) -> None:
-    d = daemon_factory(name="args")
+async def test_async_client_refuses_out_of_bounds_arguments(args_daemon: DaemonProcess) -> None:
+    d = args_daemon
     async with open_client(d.socket_path, client="args") as kvd:
         [pool] = await kvd.pools()
         assert pool.layout is not None

@@ -12,7 +12,6 @@ from __future__ import annotations
 import ast
 import json
 import re
-import socket
 import threading
 import time
 import urllib.request
@@ -30,6 +29,7 @@ from protocol.errors import TransferTimeout
 from protocol.layout import KVLayout
 from protocol.messages import Completion
 from tests.conftest import host_pool
+from tests.ports import unused_port
 
 REPO = Path(__file__).resolve().parents[1]
 TRANSFER_DONE_FIELDS = {
@@ -70,12 +70,6 @@ def _until_sessions_closed(d: DaemonProcess, count: int, timeout: float = 20.0) 
         time.sleep(0.02)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _scrape(port: int) -> dict[str, float]:
     """``GET /metrics`` → {"name{label=value,...}": value} for the kvd_* samples."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
@@ -95,7 +89,7 @@ def _scrape(port: int) -> dict[str, float]:
 
 
 def test_local_transfer_log_lines_and_metrics(daemon_factory: Callable[..., DaemonProcess]) -> None:
-    port = _free_port()
+    port = unused_port()
     geometry = {k: host_pool()[k] for k in ("num_layers", "num_kv_heads", "head_dim", "tokens_per_block", "dtype")}
     pools = [
         host_pool("ctx0", num_blocks=32),

@@ -66,6 +66,7 @@ from protocol.peer import (
     encode_peer_payload,
     register_peer_messages,
 )
+from tests.ports import unused_port
 
 SECRET = b"0123456789abcdef-shared-secret"
 OTHER_SECRET = b"fedcba9876543210-other-secret!"
@@ -532,17 +533,8 @@ async def test_peer_bye_and_broken_links_are_told_apart() -> None:
 # --- reconnect ---------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 async def test_connect_with_backoff_reaches_a_server_that_starts_later() -> None:
-    port = _free_port()
+    port = unused_port()
     accepted = trio.Event()
 
     async def handler(stream: trio.SocketStream) -> None:
@@ -577,7 +569,7 @@ async def test_connect_with_backoff_reaches_a_server_that_starts_later() -> None
 async def test_connect_with_backoff_gives_up_and_is_cancellable(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    port = _free_port()
+    port = unused_port()
     with pytest.raises(PeerUnavailable, match=f"cannot connect to peer 127.0.0.1:{port} after 3 attempts"):
         await connect_with_backoff("127.0.0.1", port, initial=1, maximum=2, max_attempts=3)
     t0 = trio.current_time()

@@ -4,7 +4,6 @@ log fills with links replacing each other. A restarted peer still replaces its s
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -15,6 +14,7 @@ from clients import open_client
 from kvd.demo.launch import DaemonProcess
 from protocol.layout import KVLayout
 from tests.hostile import events
+from tests.ports import unused_port
 from tests.transfer_harness import Pair, assert_exact, pools_for, run_transfer, write_secret
 
 Factory = Callable[..., DaemonProcess]
@@ -25,25 +25,18 @@ GEN = KVLayout(**GEO, tp_size=2)
 TRANSFER = {"bounce_size_mb": 4, "chunk_mb": 1, "deadline_s": 30.0, "mapped": False}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _start_gen(factory: Factory, secret: str, ctx_port: int, gen_port: int = 0) -> DaemonProcess:
+def _start_gen(factory: Factory, secret: str, ctx_port: int, gen_port: int) -> DaemonProcess:
     cfg: dict[str, Any] = {"pools": pools_for("gen", GEN, 16), "peer_secret_file": secret, "transfer": TRANSFER,
-                           "peers": [{"name": "ctx", "host": "127.0.0.1", "port": ctx_port}]}
-    if gen_port:
-        cfg["peer_port"] = gen_port
+                           "peer_port": gen_port, "peers": [{"name": "ctx", "host": "127.0.0.1", "port": ctx_port}]}
     return factory(cfg, name="gen")
 
 
 def _start_mutual(factory: Factory, workdir: Path) -> Pair:
-    """gen (listing ctx, not up yet), then ctx listing gen: both dial."""
+    """gen (listing ctx, not up yet), then ctx listing gen: both dial. Both on ports of
+    :func:`unused_port`: ctx's is named before ctx listens, gen's is the one a restarted gen takes."""
     secret = write_secret(workdir)
-    ctx_port = _free_port()
-    gen = _start_gen(factory, secret, ctx_port)
+    ctx_port = unused_port()
+    gen = _start_gen(factory, secret, ctx_port, unused_port())
     ctx = factory({"pools": pools_for("ctx", CTX, 16), "peer_secret_file": secret, "transfer": TRANSFER,
                    "peer_port": ctx_port, "peers": [{"name": "gen", "host": "127.0.0.1", "port": gen.peer_port}]},
                   name="ctx")

@@ -18,6 +18,7 @@ from kvd.demo.launch import DaemonProcess
 from kvd.ops.throttle import Throttle
 from kvd.peer.retry import Backoff
 from tests.hostile import IO_TIMEOUT, events, wait_until
+from tests.ports import unused_port
 from tests.transfer_harness import write_secret
 
 Factory = Callable[..., DaemonProcess]
@@ -79,8 +80,8 @@ def test_wrong_secret_backs_off_and_logs_boundedly(daemon_factory: Factory, shor
     gen_dir, ctx_dir = short_tmp / "g", short_tmp / "c"
     gen_dir.mkdir()
     ctx_dir.mkdir()
-    gen = daemon_factory({"peer_secret_file": write_secret(gen_dir)}, name="gen")
-    port = gen.peer_port
+    port = unused_port()  # gen is restarted on it below: a port nothing else takes meanwhile
+    gen = daemon_factory({"peer_secret_file": write_secret(gen_dir), "peer_port": port}, name="gen")
     # short delays so that many attempts happen quickly: 20 ms doubling to at most 80 ms
     t0 = time.monotonic()
     ctx = daemon_factory({"peer_secret_file": write_secret(ctx_dir),  # another secret

@@ -19,6 +19,7 @@ from clients import open_client
 from kvd.demo.launch import DaemonProcess
 from protocol.errors import KvdError, PeerUnavailable, PermissionDenied, TransferCancelled, TransferTimeout
 from protocol.layout import KVLayout
+from tests.ports import unused_port
 from tests.transfer_harness import assert_exact, run_transfer, start_pair, wait_for_peer, write_secret
 
 Factory = Callable[..., DaemonProcess]
@@ -370,10 +371,10 @@ async def test_cancel_by_request_id(daemon_factory: Factory, short_tmp: Path) ->
 
 
 async def test_restarted_peer_is_reconnected(daemon_factory: Factory, short_tmp: Path) -> None:
-    pair = start_pair(daemon_factory, short_tmp, CTX, GEN)
+    port = unused_port()  # gen is restarted on it: a port nothing else takes meanwhile
+    pair = start_pair(daemon_factory, short_tmp, CTX, GEN, gen_extra={"peer_port": port})
     out = await run_transfer(pair, CTX, GEN, request_id="r-before", blocks=4)
     assert_exact(out, GEN)
-    port = pair.gen.peer_port
     pair.gen.kill()
     from tests.transfer_harness import pools_for
 

@@ -25,6 +25,15 @@ from typing import Any
 from protocol.errors import KvdError
 from protocol.layout import KVLayout
 
+#: Options that select the layout bench (``kvd bench transfer`` hands the run over to
+#: :mod:`kvd.bench.layouts` when one is given; asked here, without importing torch).
+OPTIONS = ("--layout", "--ctx-gpus", "--gen-gpus", "--concurrent", "--concurrent-blocks", "--paths")
+
+
+def wanted(argv: list[str]) -> bool:
+    """Whether ``argv`` asks for the layout bench."""
+    return any(a.split("=", 1)[0] in OPTIONS for a in argv)
+
 #: GPT-OSS-120B's KV geometry (the seed's model): 2.25 MiB a block at TP1.
 GPT_OSS_120B: dict[str, Any] = {
     "num_layers": 36,

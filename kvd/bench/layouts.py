@@ -47,15 +47,6 @@ from protocol.limits import MAX_NUM_BLOCKS
 
 MiB = 1 << 20
 
-#: Options that select this bench (``kvd bench transfer`` hands the run over when one is given).
-OPTIONS = ("--layout", "--ctx-gpus", "--gen-gpus", "--concurrent", "--concurrent-blocks", "--paths")
-
-
-def wanted(argv: list[str]) -> bool:
-    """Whether ``argv`` asks for the layout bench."""
-    return any(a.split("=", 1)[0] in OPTIONS for a in argv)
-
-
 def failure(exc: BaseException) -> str | None:
     """One line for a kvd error a run ended with (a daemon that did not start, a request a
     daemon refused or failed), alone or inside the exception groups of the tasks that

@@ -124,9 +124,11 @@ def _paths(text: str) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``kvd bench transfer``."""
-    from kvd.bench import layouts
+    from kvd.bench.layout_spec import wanted
 
-    if layouts.wanted(sys.argv[1:] if argv is None else argv):  # N-GPU layouts, concurrency: its own bench
+    if wanted(sys.argv[1:] if argv is None else argv):  # N-GPU layouts, concurrency: its own bench
+        from kvd.bench import layouts
+
         return layouts.main(argv)
     parser = build_parser()
     args, _ = parser.parse_known_args(argv)

@@ -198,9 +198,10 @@ class WarmInterpreters:
     """Up to ``size`` interpreters started ahead (``python -m kvd.demo.warm``, torch imported),
     each waiting to become the next daemon :func:`start_daemon` starts.
 
-    They are started once a daemon has been asked for, and again once all are taken
-    (:meth:`refill`): a run that starts no daemon starts none. ``size=2`` covers a ctx/gen pair. :meth:`close`
-    ends the idle ones (they also end by themselves when their stdin closes)."""
+    They are started once a daemon has been asked for, and again once two are taken
+    (:meth:`refill`): a run that starts no daemon starts none. ``size=2`` covers a ctx/gen pair;
+    the test suite keeps 4, a pair warming behind the pair taken next. :meth:`close` ends the
+    idle ones (they also end by themselves when their stdin closes)."""
 
     def __init__(self, size: int = 2) -> None:
         self.size = size
@@ -240,11 +241,14 @@ class WarmInterpreters:
         return taken
 
     def refill(self) -> None:
-        """Once none is idle, start ``size`` more. :func:`start_daemon` calls it once its daemon
-        is ready (or failed), so that the next ones' ``import torch`` does not compete with this
-        daemon's start-up for the CPU; and only once all are taken, so that the second daemon
-        of a pair does not compete with the replacement of the first."""
-        if not self._idle:
+        """Once two are taken (or all, where ``size`` < 2), start as many as are missing.
+        :func:`start_daemon` calls it once its daemon is ready (or failed), so that the next
+        ones' ``import torch`` does not compete with this daemon's start-up for the CPU; and
+        only once two are taken, so that the second daemon of a pair does not compete with the
+        replacement of the first. With ``size`` 4 the replacements have a whole test (one
+        pair's or two single daemons') to warm before one of them is taken: the two idle ones
+        are taken first, oldest first."""
+        if len(self._idle) <= max(0, self.size - 2):
             while len(self._idle) < self.size:
                 self._spawn()
 

@@ -23,8 +23,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from clients.blocking import Client
 from kvd.demo.launch import DaemonProcess, start_daemon
 from protocol.layout import KVLayout
@@ -157,6 +155,8 @@ class Scenario:
                 rng.shuffle(ids)
         #: whether every rank's request blocks are consecutive ids in order (a fresh pool's alloc)
         self.contiguous = all(ids == list(range(ids[0], ids[0] + len(ids))) for ids in (self.ctx_ids, *self.gen_ids))
+        import torch  # here, not at the top: a usage error of kvd demo / bench is not held up by it
+
         t = self.ctx_pool.tensor
         gen = torch.Generator(device=t.device).manual_seed(seed)
         self.data = torch.randn((blocks, *t.shape[1:]), generator=gen, device=t.device).to(t.dtype)
@@ -167,6 +167,8 @@ class Scenario:
 
     def transfer(self, timeout: float = 120.0) -> tuple[dict[str, Completion], float]:
         """One request end to end; returns the completions by executor and the wall time."""
+        import torch
+
         self.count += 1
         request = f"req-{self.count}"
         for r, (c, pool) in enumerate(zip(self.gens, self.gen_pools, strict=True)):
@@ -211,6 +213,8 @@ class Scenario:
 
     def verify(self) -> bool:
         """gen rank r holds heads [2r, 2r+2) of every layer of every block, in order."""
+        import torch
+
         ok = True
         for r, pool in enumerate(self.gen_pools):
             got = pool.tensor[self.gen_ids[r]]

@@ -8,11 +8,13 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from kvd.demo.model.options import AXIS_ORDERS, DemoOptions
-from kvd.demo.model.reference import LOGIT_TOLERANCE
-from kvd.demo.model.run import DemoReport, run_model_demo
+from kvd.demo.model.names import AXIS_ORDERS, LOGIT_TOLERANCE
 from kvd.demo.pair import positive_int
+
+if TYPE_CHECKING:
+    from kvd.demo.model.run import DemoReport
 
 
 def print_report(report: DemoReport) -> None:
@@ -107,6 +109,10 @@ def main(argv: list[str] | None = None) -> int:
         # executors: say it here, as the usage error it is
         parser.error(f"--gen-tokens-per-block {gen_tpb} and --tokens-per-block {ctx_tpb}: one must divide "
                      "the other")
+    # the model (torch with it, ~1 s) once the options are known to be good: a usage error is told at once
+    from kvd.demo.model.options import DemoOptions
+    from kvd.demo.model.run import run_model_demo
+
     opts = DemoOptions(gen_tp=args.gen_tp, order=args.order, device=args.device, dtype=args.dtype,
                        prompt_lengths=lengths, new_tokens=args.new_tokens, tokens_per_block=args.tokens_per_block,
                        gen_tokens_per_block=args.gen_tokens_per_block,

@@ -15,7 +15,8 @@ from typing import Any
 import torch
 
 from kvd.demo.launch import DaemonProcess, start_daemon
-from kvd.demo.model.options import AXIS_ORDERS, DemoOptions
+from kvd.demo.model.names import AXIS_ORDERS
+from kvd.demo.model.options import DemoOptions
 from kvd.demo.pair import write_secret
 
 

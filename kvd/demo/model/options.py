@@ -9,11 +9,8 @@ import torch
 
 from kvd.demo.model.control import Prompt
 from kvd.demo.model.transformer import ModelConfig
-from protocol.layout import TRTLLM_AXIS_ORDER, VLLM_AXIS_ORDER
 
 Order = Literal["gen-first", "ctx-first"]
-#: Pool axis orders by name: TensorRT-LLM's block-major V1 pool, vLLM's layer-major HND.
-AXIS_ORDERS = {"trtllm": TRTLLM_AXIS_ORDER, "vllm": VLLM_AXIS_ORDER}
 
 
 @dataclass(frozen=True)

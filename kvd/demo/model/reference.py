@@ -19,11 +19,6 @@ from kvd.demo.model.control import GenDone, Prompt, Published
 from kvd.demo.model.transformer import DenseKV, ModelConfig, Segment, TPDecoder, full_weights
 from kvd.mapping.views import torch_dtype
 
-#: Largest |logit - reference| accepted, by KV/weight dtype. Arithmetic is float32 everywhere
-#: (see the transformer module); float32 differences come from the order of sums only, bf16
-#: ones also from a K/V value of a decoded token rounding to the neighbouring bf16 number.
-LOGIT_TOLERANCE: dict[str, float] = {"float32": 1e-3, "bfloat16": 2e-2, "float16": 1e-2}
-
 
 @dataclass(frozen=True)
 class ReferenceResult:

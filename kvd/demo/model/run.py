@@ -23,8 +23,9 @@ from kvd.demo.model import control as c
 from kvd.demo.model.ctx import CtxSpec, ctx_main
 from kvd.demo.model.daemons import dist_backend, gen_pool, start_daemons
 from kvd.demo.model.gen import GenSpec, gen_main
+from kvd.demo.model.names import LOGIT_TOLERANCE
 from kvd.demo.model.options import DemoOptions, make_prompts
-from kvd.demo.model.reference import LOGIT_TOLERANCE, Comparison, compare, reference_run
+from kvd.demo.model.reference import Comparison, compare, reference_run
 from kvd.demo.model.transformer import exact_float32
 
 
