@@ -84,8 +84,10 @@ def test_latency_ab_alternates_two_trees_and_prints_ratios(capsys: pytest.Captur
     from kvd.bench import latency_ab
 
     tree = str(Path(__file__).resolve().parent.parent)
+    before = set(Path("/tmp").glob("kvd-ab-*"))
     assert latency_ab.main([tree, tree, "--rounds", "1", "--repeat", "2", "--geometry", "tiny",
                             "--orders", "gen-first"]) == 0
+    assert set(Path("/tmp").glob("kvd-ab-*")) <= before  # each round removed its daemons' directory
     out = capsys.readouterr().out
     assert out.index("round 0 old: gen-first p50") < out.index("round 0 new: gen-first p50")
     summary = [line for line in out.splitlines() if line.startswith("gen-first, medians over 1 rounds")]

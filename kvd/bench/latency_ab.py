@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -61,6 +62,13 @@ def child(args: argparse.Namespace) -> None:
         setattr(module, "GEOMETRY", geo)  # noqa: B010 (kvd.bench.latency re-exports pair's)
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     workdir = Path(tempfile.mkdtemp(prefix="kvd-ab-", dir="/tmp"))
+    try:
+        _child_round(args, pair, lat, workdir)
+    finally:  # (the daemons' configs, sockets and logs of this round)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _child_round(args: argparse.Namespace, pair: Any, lat: Any, workdir: Path) -> None:
     extra: dict[str, Any] = {"mapped": True}
     if args.busy_poll:
         extra["busy_poll"] = args.busy_poll
