@@ -257,3 +257,18 @@ def test_more_gpus_than_present_on_cuda(capsys: pytest.CaptureFixture[str]) -> N
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1
     assert "needs two or more CUDA GPUs" in err or "--gen-gpus names GPU 99" in err
+
+
+def test_a_usage_error_is_told_before_torch_is_imported() -> None:
+    """``kvd bench transfer --layout ...`` with a bad value answers at once: torch (about 2 s
+    to import) comes in only once the options are known to be good. In a fresh interpreter,
+    as a user's command runs."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom kvd.bench.transfer import main\n"
+            "rc = main(['--layout', 'tp1-tp4', '--sizes', 'x'])\n"
+            "print(rc, 'torch' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split() == ["2", "False"], out
+    assert "--sizes 'x': give comma-separated block counts" in out.stderr

@@ -32,18 +32,16 @@ import statistics
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-import trio
-
-from kvd.bench.layout_rig import Request, Rig, ctx_pool_name
 from kvd.bench.layout_spec import LayoutSpec, Placement, Side, SpecError, load_layout, parse_gpus, place
-from kvd.demo.pair import pool_entry, start_pools_pair
 from kvd.startup import one_line
 from protocol.errors import KvdError
 from protocol.layout import TRTLLM_AXIS_ORDER
 from protocol.limits import MAX_NUM_BLOCKS
+
+if TYPE_CHECKING:  # (torch comes with them: imported once the options are known to be good)
+    from kvd.bench.layout_rig import Request, Rig
 
 MiB = 1 << 20
 
@@ -82,6 +80,9 @@ async def _section(rig: Rig, name: str, reqs: list[Request], repeat: int, seed: 
 
 async def _path_run(workdir: Path, spec: LayoutSpec, placement: Placement, args: argparse.Namespace, mapped: bool,
                     sizes: list[int]) -> dict[str, Any]:
+    from kvd.bench.layout_rig import Request, Rig, ctx_pool_name
+    from kvd.demo.pair import pool_entry, start_pools_pair
+
     ctx_layout, gen_layout = spec.layouts()
     cuda = args.device == "cuda"
     memory = "auto" if cuda else "host"
@@ -220,6 +221,8 @@ def _check_args(args: argparse.Namespace) -> tuple[LayoutSpec, Placement, list[i
         raise SpecError("the layout bench runs the TensorRT-LLM axis order only")
     have = None
     if cuda:
+        import torch
+
         have = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if have < 2:
             raise SpecError(f"--device cuda needs two or more CUDA GPUs, {have} here")
@@ -251,6 +254,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvd bench transfer: error: {exc}", file=sys.stderr)
         return 2
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    import torch  # (here, not at the top: a usage error is told without it, at once)
+    import trio
+
     gen_layout = spec.layouts()[1]
     cuda = args.device == "cuda"
     report: dict[str, Any] = {
