@@ -34,6 +34,7 @@ def wanted(argv: list[str]) -> bool:
     """Whether ``argv`` asks for the layout bench."""
     return any(a.split("=", 1)[0] in OPTIONS for a in argv)
 
+
 #: GPT-OSS-120B's KV geometry (the seed's model): 2.25 MiB a block at TP1.
 GPT_OSS_120B: dict[str, Any] = {
     "num_layers": 36,

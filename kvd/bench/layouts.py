@@ -45,6 +45,7 @@ if TYPE_CHECKING:  # (torch comes with them: imported once the options are known
 
 MiB = 1 << 20
 
+
 def failure(exc: BaseException) -> str | None:
     """One line for a kvd error a run ended with (a daemon that did not start, a request a
     daemon refused or failed), alone or inside the exception groups of the tasks that

@@ -25,6 +25,14 @@ def mark(label: str, *parts: object) -> None:
         _active._steps.append((time.perf_counter(), 0.0, (label, parts)))
 
 
+def _gc_marks(phase: str, info: dict[str, int]) -> None:
+    """Garbage collections as marks of the active tracer: ``= gc N`` ... ``= gc.done N``."""
+    if phase == "start":
+        mark("gc", info["generation"])
+    else:
+        mark("gc.done", info["collected"])
+
+
 def _mark_text(label: str, parts: tuple[object, ...]) -> str:
     return " ".join(["=", label, *(str(p) for p in parts)])
 
@@ -41,13 +49,8 @@ class StepTrace(Instrument):
         self._io_t0 = 0.0
         global _active
         _active = self
-        gc.callbacks.append(self._gc)  # collections show as "= gc N" ... "= gc.done" marks
-
-    def _gc(self, phase: str, info: dict[str, int]) -> None:
-        if phase == "start":
-            self._steps.append((time.perf_counter(), 0.0, ("gc", (info["generation"],))))
-        else:
-            self._steps.append((time.perf_counter(), 0.0, ("gc.done", (info["collected"],))))
+        if _gc_marks not in gc.callbacks:  # (once per process, not once per tracer)
+            gc.callbacks.append(_gc_marks)
 
     def before_task_step(self, task: Any) -> None:
         self._t0 = time.perf_counter()
