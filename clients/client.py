@@ -238,8 +238,8 @@ class AsyncClient:
 
     async def free(self, pool: str, block_ids: list[int]) -> int:
         """Return leased blocks to ``pool``; returns how many. All or nothing: ``BlockNotLeased`` if an id
-        is not leased to this session (never allocated, or freed already), ``BlocksInUse`` while a
-        request still uses them (wait for it or cancel it first)."""
+        is not leased to this session (never allocated, or freed already), ``BadRequest`` if one is
+        listed twice, ``BlocksInUse`` while a request still uses them (wait for it or cancel it first)."""
         msg = m.Free(id=self._id(), pool=pool_arg(pool), block_ids=id_list(block_ids))
         return (await self._call(msg, m.Freed)).count
 
@@ -281,7 +281,8 @@ class AsyncClient:
 
         Returns once registered; :meth:`wait` gives the outcome. Refused at once with
         ``UnknownPeer`` (a name neither configured nor connected), ``IncompatibleLayout`` (``layout``
-        is not the pool's), ``BlockNotLeased`` or ``DuplicateRequest``. ``deadline_s`` bounds the
+        is not the pool's), ``BlockNotLeased`` (a block not leased to this session), ``BadRequest``
+        (a block id listed twice) or ``DuplicateRequest``. ``deadline_s`` bounds the
         whole transfer (default ``[transfer] deadline_s``); a peer that is down fails it then,
         with ``PeerUnavailable``.
         """

@@ -167,6 +167,42 @@ def test_waiting_twice_or_on_another_session_says_why(daemon_factory: Callable[.
         g1.free("gen1", gids[1])
 
 
+def test_a_block_listed_twice_is_a_bad_request_that_registers_nothing(
+        daemon_factory: Callable[..., DaemonProcess]) -> None:
+    """``block_ids=[b, b]`` in an expect or publish used to be refused as ``BlockNotLeased``
+    (the block is leased; the list is malformed): it is a ``BadRequest`` naming the id, its two
+    positions and the rank, and nothing is recorded: the same blocks register again, listed once."""
+    d = daemon_factory({"pools": _local_pools()}, name="local")
+    ctx, gen = _layouts(d)
+    with Client(d.socket_path, client="ctx") as c, Client(d.socket_path, client="g0") as g0, \
+            Client(d.socket_path, client="g1") as g1:
+        ids = c.alloc("ctx0", 2)
+        gids = [g0.alloc("gen0", 2), g1.alloc("gen1", 2)]
+        b = gids[1][1]
+        with pytest.raises(BadRequest) as info:
+            g1.expect("r1", "gen1", gen, 1, [gids[1][0], b, b])
+        assert info.value.message == (f"request 'r1' (gen rank 1): pool 'gen1': block {b} is listed twice "
+                                      "(positions 1 and 2 of block_ids); name each block once")
+        with pytest.raises(BadRequest) as info:
+            c.publish("r1", "ctx0", ctx, 0, [ids[0], ids[0]], peer="local")
+        assert info.value.message == (f"request 'r1' (ctx rank 0): pool 'ctx0': block {ids[0]} is listed twice "
+                                      "(positions 0 and 1 of block_ids); name each block once")
+        # nothing recorded: no request, no request counted against the sessions, the blocks still theirs
+        assert c.transfers() == []
+        assert {s.client: s.requests for s in c.sessions()} == {"ctx": 0, "g0": 0, "g1": 0}
+        assert {p.name: p.blocks_used for p in c.pools()} == {"ctx0": 2, "gen0": 2, "gen1": 2}
+        # the corrected registrations, with the same blocks, go through and the request runs
+        g0.expect("r1", "gen0", gen, 0, gids[0])
+        g1.expect("r1", "gen1", gen, 1, gids[1])
+        c.publish("r1", "ctx0", ctx, 0, ids, peer="local")
+        assert c.wait("r1", timeout_s=60).ok
+        assert g0.wait("r1", timeout_s=60).ok
+        assert g1.wait("r1", timeout_s=60).ok
+        assert c.free("ctx0", ids) == 2
+        assert g0.free("gen0", gids[0]) == 2
+        assert g1.free("gen1", gids[1]) == 2
+
+
 def test_layout_mistakes_say_what_to_leave_out(daemon_factory: Callable[..., DaemonProcess]) -> None:
     """Two arguments a newcomer fills in that are best left alone: the layout's ``num_blocks``
     and ``ranks=`` (attention DP only)."""

@@ -119,11 +119,17 @@ def test_duplicate_in_list() -> None:
     a = BlockAllocator(8, name="p")
     ids = a.alloc(1, 3)
     before = snapshot(a)
-    with pytest.raises(BlockNotLeased, match=rf"block {ids[1]} is listed twice"):
+    # the blocks are leased: the list is malformed
+    with pytest.raises(BadRequest, match=rf"^\[bad_request\] pool 'p': block {ids[1]} is listed twice \(positions 0 "
+                                         r"and 2 of block_ids\); name each block once$"):
         a.free(1, [ids[1], ids[2], ids[1]])
     assert snapshot(a) == before
-    with pytest.raises(BlockNotLeased, match="listed twice"):
+    with pytest.raises(BadRequest, match="listed twice"):
         a.check_leased(1, [ids[0], ids[0]])
+    # the general loop (any iterable) says the same
+    with pytest.raises(BadRequest, match=rf"block {ids[0]} is listed twice \(positions 1 and 2 of block_ids\)"):
+        a.check_leased(1, iter([ids[2], ids[0], ids[0]]))
+    assert snapshot(a) == before
 
 
 def test_foreign_block() -> None:
@@ -229,8 +235,15 @@ class AllocatorMachine(RuleBasedStateMachine):
             for i in ids:
                 del self.model[i]
         else:
+            # the first offending id in list order decides: not this session's, or listed twice
+            seen: set[int] = set()
+            for i in ids:
+                if self.model[i] != session or i in seen:
+                    expected: type[Exception] = BlockNotLeased if self.model[i] != session else BadRequest
+                    break
+                seen.add(i)
             before = snapshot(self.a, (0, 1, 2, 3))
-            with pytest.raises(BlockNotLeased):
+            with pytest.raises(expected):
                 self.a.free(session, ids)
             assert snapshot(self.a, (0, 1, 2, 3)) == before
 
@@ -253,14 +266,15 @@ TestAllocatorMachine = AllocatorMachine.TestCase
 TestAllocatorMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
 
 
-@pytest.mark.parametrize("ids", [[3], [0, 3], [3, 0], [0, 1, 3], [0, 0], [0, 9], [-1, 0], [0, True]])
+@pytest.mark.parametrize("ids", [[3], [0, 3], [3, 0], [0, 1, 3], [0, 0], [1, 3, 3], [0, 9], [-1, 0], [0, True]])
 def test_check_leased_fast_path_agrees_with_the_checks(ids: list[Any]) -> None:
     """The all-ints fast path refuses exactly what the per-id checks refuse (free blocks,
-    another session's, repeats, out of range, bools), with integer session ids as the daemon uses."""
+    another session's, repeats, out of range, bools), with integer session ids as the daemon uses;
+    a repeat of one of the session's own blocks is a malformed list (``BadRequest``)."""
     a = BlockAllocator(8, name="p")
     a.alloc(1, 3)  # 0, 1, 2 to session 1
     a.alloc(2, 1)  # 3 to session 2; 4.. free
-    with pytest.raises(BlockNotLeased):
+    with pytest.raises(BadRequest if ids == [0, 0] else BlockNotLeased):
         a.check_leased(1, ids)
     assert a.check_leased(1, [2, 0, 1]) == [2, 0, 1]
     assert a.check_leased(2, [3]) == [3]

@@ -263,7 +263,8 @@ def test_double_free(kvd: Client) -> None:
     # all or nothing: a list with one bad id frees none of the good ones
     with pytest.raises(BlockNotLeased, match="it is free"):
         kvd.free("host0", [blocks[2], blocks[0]])
-    with pytest.raises(BlockNotLeased, match="listed twice"):
+    # an id listed twice is a malformed request, not a lease problem
+    with pytest.raises(BadRequest, match=rf"block {blocks[2]} is listed twice \(positions 0 and 1 of block_ids\)"):
         kvd.free("host0", [blocks[2], blocks[2]])
     assert kvd.pools() == before
     assert kvd.free("host0", blocks[2:]) == 2

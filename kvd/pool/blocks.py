@@ -94,7 +94,8 @@ class BlockAllocator:
         return ids
 
     def check_leased(self, session_id: SessionId, block_ids: Iterable[int]) -> list[int]:
-        """Raise unless every id is leased to ``session_id``, each listed once.
+        """Raise unless every id is leased to ``session_id``, each listed once: ``BlockNotLeased``
+        for an id that is not (or not an id of this pool), ``BadRequest`` for an id listed twice.
 
         Returns the ids as a list of Python ints.
         """
@@ -108,12 +109,15 @@ class BlockAllocator:
                     and (n > 1 or self._owner[block_ids[0]] == session_id)):
                 return list(block_ids)
         ids: list[int] = []
-        seen: set[int] = set()
-        for raw in block_ids:
+        seen: dict[int, int] = {}  # id -> its position in block_ids
+        for pos, raw in enumerate(block_ids):
             i = self._check_range(raw)
-            if i in seen:
-                raise BlockNotLeased(f"pool {self.name!r}: block {i} is listed twice")
-            seen.add(i)
+            first = seen.get(i)
+            if first is not None:
+                # a malformed list, not a lease problem: the block may well be the caller's
+                raise BadRequest(f"pool {self.name!r}: block {i} is listed twice (positions {first} and {pos} "
+                                 "of block_ids); name each block once")
+            seen[i] = pos
             holder = self._owner[i]
             if holder != session_id:
                 # what to do, as well as why: a double free, an id never allocated, or a block of

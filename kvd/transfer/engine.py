@@ -310,7 +310,10 @@ class Engine:
             raise BadRequest(f"request {rid!r}: deadline_s must be positive and finite, got {deadline_s}")
         if role is _CTX and not msg.peer:
             raise BadRequest(f"request {rid!r}: publish needs the gen peer's node name")
-        pool.blocks.check_leased(session.id, msg.block_ids)  # the caller's own mistakes first
+        try:
+            pool.blocks.check_leased(session.id, msg.block_ids)  # the caller's own mistakes first
+        except BadRequest as exc:  # a block id listed twice: which registration named it
+            raise BadRequest(f"request {rid!r} ({_ROLE[role]} rank {msg.rank}): {exc.message}") from None
         self._check_peer(msg.peer)
         key_peer, t = self._find(role, rid, msg.peer)
         mine = self._by_session.get(session.id)
