@@ -25,7 +25,7 @@ from kvd.mapping.words import SLOT_WORDS
 from kvd.ops.history import TransferHistory
 from kvd.ops.peers import peer_infos
 from protocol import messages as m
-from protocol.errors import BadRequest, Draining, LimitExceeded, NotFound, PermissionDenied
+from protocol.errors import BadRequest, Draining, KvdError, LimitExceeded, NotFound, PermissionDenied
 from protocol.limits import MAX_DEADLINE_S
 
 if TYPE_CHECKING:
@@ -184,9 +184,15 @@ class Daemon:
     async def handle(self, session: Session, msg: m.Message) -> tuple[m.Message, list[int]]:
         """Answer one quick request; returns the reply and fds to pass with it."""
         if isinstance(msg, _REGISTRATIONS):  # first: what every request sends (4-5 per request)
-            if self.draining:
-                raise Draining("kvd is draining and takes no new work")
-            return await self._register(session, msg), []
+            try:
+                if self.draining:
+                    raise Draining("kvd is draining and takes no new work")
+                reply = await self._register(session, msg)
+            except KvdError as exc:  # a later wait on it is told it was refused, not "waited twice"
+                session.note_registration(msg.request_id, exc)
+                raise
+            session.note_registration(msg.request_id)
+            return reply, []
         if isinstance(msg, m.Ping):
             return m.Pong(id=msg.id, payload=msg.payload), []
         if isinstance(msg, m.Stats):
@@ -272,20 +278,33 @@ class Daemon:
     def completion_now(self, session: Session, msg: m.Wait) -> m.Message | None:
         """The reply to a wait whose request has ended already, else None (then :meth:`wait`).
 
-        A request this session has not registered (any more) is ``NotFound``, with what the
-        executor most likely did: waited twice (the outcome is reported once, then the request
-        is forgotten) or waited on a session other than the one that registered it."""
+        A request this session does not hold (any more) is ``NotFound``, with what the executor
+        most likely did (:attr:`Session.registrations` tells): waited twice (the outcome is
+        reported once, then the request is forgotten), waited on a request whose registration
+        was refused (it registered nothing), or on a session other than the one that registered it."""
         engine = self._engine()
         try:
             return engine.completion_now(session, msg)
         except NotFound as exc:
-            ended = self.history.outcome(msg.request_id)
-            if ended is None:
-                raise NotFound(f"{exc.message}: wait on the session (Client) that registered it with "
-                               "expect or publish") from None
-            raise NotFound(f"{exc.message}: a request {msg.request_id!r} ended here ({ended}); each session "
-                           "that registered it is told the outcome by one wait, and then no more (kvctl "
-                           "transfers shows how it ended)") from None
+            rid = msg.request_id
+            ended = self.history.outcome(rid)
+            refused = session.registrations.get(rid)
+            if refused == "":  # registered here, and its outcome reported to a wait already
+                if ended is None:
+                    raise NotFound(f"{exc.message} any more: this session registered it, and its outcome was "
+                                   "reported already; each session that registered a request is told the outcome "
+                                   "by one wait, and then no more") from None
+                raise NotFound(f"{exc.message}: a request {rid!r} ended here ({ended}); each session "
+                               "that registered it is told the outcome by one wait, and then no more (kvctl "
+                               "transfers shows how it ended)") from None
+            elsewhere = (f" (a request {rid!r} that another session registered ended here ({ended}): kvctl "
+                         "transfers shows how)" if ended is not None else "")
+            if refused is not None:
+                raise NotFound(f"no request {rid!r} is registered by this session: its registration was refused "
+                               f"({refused}), and a refused registration registers nothing; register it again, "
+                               f"corrected{elsewhere}") from None
+            raise NotFound(f"no request {rid!r} is registered by this session: wait on the session (Client) "
+                           f"that registered it with expect or publish{elsewhere}") from None
 
     def _engine(self) -> Engine:
         if self.engine is None:

@@ -367,7 +367,8 @@ def _error_cases(layout: Any) -> list[tuple[str, Callable[[Any], Any], type[KvdE
         ("zero count", lambda c: c.alloc("host0", 0), BadRequest, "positive integer"),
         ("free unleased", lambda c: c.free("host0", [5]), BlockNotLeased, "block 5 is not leased"),
         ("free out of range", lambda c: c.free("host0", [1000]), BlockNotLeased, "out of range"),
-        ("wait unknown", lambda c: c.wait("no-such-request"), NotFound, "is not registered"),
+        ("wait unknown", lambda c: c.wait("no-such-request"), NotFound,
+         "no request 'no-such-request' is registered by this session"),
         ("cancel unknown", lambda c: c.cancel("no-such-request"), NotFound, "no request"),
         ("attach unknown", lambda c: c.attach("nope"), NotFound, "no pool named"),
         (

@@ -148,7 +148,7 @@ def test_waiting_twice_or_on_another_session_says_why(daemon_factory: Callable[.
         # the ctx executor's session waiting on the gen ranks' registration: not its request (yet)
         with pytest.raises(NotFound) as info:
             c.wait("r1", timeout_s=5)
-        assert info.value.message == ("request 'r1' is not registered by this session: wait on the session "
+        assert info.value.message == ("no request 'r1' is registered by this session: wait on the session "
                                       "(Client) that registered it with expect or publish")
         c.publish("r1", "ctx0", ctx, 0, ids, peer="local")
         assert c.wait("r1", timeout_s=60).path == "local"
@@ -162,6 +162,13 @@ def test_waiting_twice_or_on_another_session_says_why(daemon_factory: Callable[.
             "it ended)")
         # g1 has not collected its completion yet: it still gets it
         assert g1.wait("r1", timeout_s=60).ok
+        # a session that never registered r1 is not told it waited twice
+        with Client(d.socket_path, client="bystander") as other, pytest.raises(NotFound) as info:
+            other.wait("r1", timeout_s=5)
+        assert info.value.message == (
+            "no request 'r1' is registered by this session: wait on the session (Client) that registered it "
+            "with expect or publish (a request 'r1' that another session registered ended here (done): kvctl "
+            "transfers shows how)")
         c.free("ctx0", ids)
         g0.free("gen0", gids[0])
         g1.free("gen1", gids[1])
@@ -201,6 +208,59 @@ def test_a_block_listed_twice_is_a_bad_request_that_registers_nothing(
         assert c.free("ctx0", ids) == 2
         assert g0.free("gen0", gids[0]) == 2
         assert g1.free("gen1", gids[1]) == 2
+
+
+def test_a_wait_after_a_refused_registration_says_it_was_refused(
+        daemon_factory: Callable[..., DaemonProcess]) -> None:
+    """A wait on a request whose registration was refused used to be told, once another session's
+    registration of that id had ended, that "each session that registered it is told the outcome"
+    (as if it had waited twice): it is told that no such request is registered by this session,
+    and that its registration was refused."""
+    d = daemon_factory({"pools": _local_pools()}, name="local")
+    ctx, gen = _layouts(d)
+    with Client(d.socket_path, client="ctx") as c, Client(d.socket_path, client="g0") as g0:
+        ids = c.alloc("ctx0", 2)
+        gids = g0.alloc("gen0", 2)
+        with pytest.raises(BadRequest):
+            c.publish("r1", "ctx0", ctx, 0, [ids[1], ids[1]], peer="local")
+        refusal = (f"[bad_request] request 'r1' (ctx rank 0): pool 'ctx0': block {ids[1]} is listed twice "
+                   "(positions 0 and 1 of block_ids); name each block once")
+        with pytest.raises(NotFound) as info:
+            c.wait("r1", timeout_s=5)
+        assert info.value.message == (f"no request 'r1' is registered by this session: its registration was "
+                                      f"refused ({refusal}), and a refused registration registers nothing; "
+                                      "register it again, corrected")
+        # gen registers r1 and fails at its deadline (gen rank 1 never registers): once a request
+        # 'r1' ended here, the ctx session is still told its registration was refused, not that it
+        # waited twice
+        g0.expect("r1", "gen0", gen, 0, gids, deadline_s=1)
+        with pytest.raises(TransferTimeout):
+            g0.wait("r1", timeout_s=60)
+        with pytest.raises(NotFound) as info:
+            c.wait("r1", timeout_s=5)
+        assert info.value.message == (f"no request 'r1' is registered by this session: its registration was "
+                                      f"refused ({refusal}), and a refused registration registers nothing; "
+                                      "register it again, corrected (a request 'r1' that another session "
+                                      "registered ended here (failed): kvctl transfers shows how)")
+        # registered again, corrected: the refusal is forgotten, and a second wait is told it waited twice
+        with Client(d.socket_path, client="g1") as g1:
+            g1ids = g1.alloc("gen1", 2)
+            g0.expect("r2", "gen0", gen, 0, gids)
+            g1.expect("r2", "gen1", gen, 1, g1ids)
+            with pytest.raises(BadRequest):
+                c.publish("r2", "ctx0", ctx, 0, [ids[0], ids[0]], peer="local")
+            c.publish("r2", "ctx0", ctx, 0, ids, peer="local")
+            assert c.wait("r2", timeout_s=60).ok
+            assert g0.wait("r2", timeout_s=60).ok and g1.wait("r2", timeout_s=60).ok
+            with pytest.raises(NotFound) as info:
+                c.wait("r2", timeout_s=5)
+            assert info.value.message == (
+                "request 'r2' is not registered by this session: a request 'r2' ended here (done); each session "
+                "that registered it is told the outcome by one wait, and then no more (kvctl transfers shows how "
+                "it ended)")
+            g1.free("gen1", g1ids)
+        g0.free("gen0", gids)
+        c.free("ctx0", ids)
 
 
 def test_layout_mistakes_say_what_to_leave_out(daemon_factory: Callable[..., DaemonProcess]) -> None:
@@ -280,7 +340,7 @@ def test_a_negative_wait_timeout_is_refused_by_the_client(args_daemon: DaemonPro
                                                  r"got .*; None waits until the request ends$"):
                 kvd.wait("r", timeout_s=bad)
         # 0 is a valid timeout: the daemon answers (here: the request is not this session's)
-        with pytest.raises(NotFound, match="request 'r' is not registered by this session"):
+        with pytest.raises(NotFound, match="no request 'r' is registered by this session"):
             kvd.wait("r", timeout_s=0)
 
 

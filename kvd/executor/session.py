@@ -60,6 +60,12 @@ REPLY_FLOOR = 1 << 20
 #: one block id (at most ``MAX_BLOCK_ID``, below 2**32) takes in msgpack.
 _ALLOCATED_OVERHEAD = 64 + 4 * MAX_NAME_LEN
 _MAX_BLOCK_ID_BYTES = 5
+#: Request ids a session's record of its latest registrations keeps (ok or refused): what a
+#: wait on a request the engine does not hold for the session is told (see
+#: :meth:`Session.note_registration`). As many as the engine keeps ended requests uncollected.
+RECENT_REGISTRATIONS = 1024
+#: How much of a refusal's message that record keeps.
+REFUSAL_TEXT_LEN = 300
 #: The registrations, which a wait may follow in the same read (a tuple: ``A | B`` in an
 #: ``isinstance`` builds a union object on every call).
 _REGISTRATIONS = (m.Publish, m.Expect)
@@ -83,6 +89,27 @@ class Session:
     #: back for its wait's may go as soon as the data path is launched (see
     #: :meth:`SessionConnection.release_held`), so it can watch its slot while the GPU works.
     reads_page: bool = False
+    #: The request ids of this session's latest registrations, oldest first (at most
+    #: RECENT_REGISTRATIONS): ``""`` registered, else why the registration was refused (it
+    #: registered nothing). A wait on a request the engine does not hold for this session is
+    #: told which: waited twice, refused, or never registered here.
+    registrations: dict[str, str] = field(default_factory=dict)
+
+    def note_registration(self, request_id: str, refused: KvdError | None = None) -> None:
+        """Record that this session registered ``request_id`` (``refused``: tried, and was told
+        that). A refusal after a registration that went through changes nothing: the request
+        was this session's (a second registration of it, refused, does not undo that)."""
+        seen = self.registrations
+        if refused is None:
+            seen.pop(request_id, None)  # moved to the end: the oldest go first
+            seen[request_id] = ""
+        elif seen.get(request_id) != "":
+            seen.pop(request_id, None)
+            seen[request_id] = clip_text(f"[{refused.code}] {refused.message}", REFUSAL_TEXT_LEN)
+        else:
+            return
+        if len(seen) > RECENT_REGISTRATIONS:
+            del seen[next(iter(seen))]
 
     def info(self, blocks_leased: int) -> m.SessionInfo:
         """Wire description for ``kvctl sessions``."""
