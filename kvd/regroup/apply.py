@@ -61,8 +61,10 @@ __all__ = [
     "chunk_ranges",
     "gather_chunk",
     "kernel_available",
+    "raw_stream",
     "regroup",
     "scatter_chunk",
+    "template_parts",
 ]
 
 Engine = Literal["auto", "kernel", "torch", "host"]
@@ -361,6 +363,34 @@ def _templated(
     """:func:`regroup` on the kernel from a cached launch template: the request's block tables
     are all that is computed. None when the kernel cannot do it here (the caller's general
     path then decides: torch, or an error)."""
+    parts = template_parts(plan, src_rank, src_pool, dst_pools, tile_bytes, launch_on)
+    if parts is None:
+        return None
+    mark("regroup.template")
+    kernels = [kernel.kernel_for(dev) for dev, _, _ in parts]
+    if any(k is None for k in kernels):
+        return None  # made unavailable since (tests do): the general path says what happens
+    tables = [tpl.table([(plan.ctx_offsets[s], plan.gen_offsets[d]) for s, d in pairs]) for _, tpl, pairs in parts]
+    mark("regroup.tables", sum(t.size for t in tables))
+    events = []
+    nbytes = 0
+    for (dev, tpl, _), k, table in zip(parts, kernels, tables, strict=True):
+        assert k is not None
+        st = _raw_stream(stream if stream is not None and stream.device.index == dev else None, dev)
+        ev = event_for(dev, st) if event_for is not None and len(parts) == 1 else None
+        events.append(k.run(table, tpl.npairs, tpl.tiles, st, event=ev))
+        nbytes += tpl.nbytes
+    mark("regroup.run")
+    return Completion("kernel", nbytes, events)
+
+
+def template_parts(
+    plan: Plan, src_rank: int, src_pool: Any, dst_pools: Mapping[int, Any], tile_bytes: int = kernel.TILE_BYTES,
+    launch_on: LaunchOn = "src",
+) -> list[tuple[int, kernel.LaunchTemplate, list[tuple[int, int]]]] | None:
+    """The cached launch templates of :func:`regroup` on the kernel for ``plan``'s shape and
+    these pools: per launching device, its template and the (src, dst) pairs whose block
+    tables it takes, in order (built on first use). None when the kernel cannot do it here."""
     if plan.shape_key is None:
         return None
     src_desc = _pool_desc(src_pool)
@@ -384,22 +414,12 @@ def _templated(
             _templates.popitem(last=False)
     else:
         _templates.move_to_end(key)
-    mark("regroup.template")
-    kernels = [kernel.kernel_for(dev) for dev, _, _ in parts]
-    if any(k is None for k in kernels):
-        return None  # made unavailable since (tests do): the general path says what happens
-    tables = [tpl.table([(plan.ctx_offsets[s], plan.gen_offsets[d]) for s, d in pairs]) for _, tpl, pairs in parts]
-    mark("regroup.tables", sum(t.size for t in tables))
-    events = []
-    nbytes = 0
-    for (dev, tpl, _), k, table in zip(parts, kernels, tables, strict=True):
-        assert k is not None
-        st = _raw_stream(stream if stream is not None and stream.device.index == dev else None, dev)
-        ev = event_for(dev, st) if event_for is not None and len(parts) == 1 else None
-        events.append(k.run(table, tpl.npairs, tpl.tiles, st, event=ev))
-        nbytes += tpl.nbytes
-    mark("regroup.run")
-    return Completion("kernel", nbytes, events)
+    return parts
+
+
+def raw_stream(device: int) -> int:
+    """The CUDA stream handle :func:`regroup` launches on for ``device`` when given none."""
+    return _raw_stream(None, device)
 
 
 def _run_chunk(

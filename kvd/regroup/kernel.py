@@ -441,6 +441,8 @@ class RegroupKernel:
         # kvd_store_tokens' parameter: count, MAX_TOKEN_STORES addresses, as many values
         self._tokens, self._tokens_ptrs, self._tokens_ptrs_addr = _param_buffer(2 * MAX_TOKEN_STORES)
         self._args_lock = threading.Lock()
+        #: driver stream handles by raw stream number, made on first launch there
+        self._handles: dict[int, Any] = {}
         #: completed events, recorded again by later launches (no create/destroy per launch)
         self._events: list[Any] = []
         #: page-locked slots the launch tables are copied from (None: pageable tables only)
@@ -512,7 +514,8 @@ class RegroupKernel:
         return "device"
 
     def run(self, table: npt.NDArray[np.int64], npairs: int, ntiles: int, stream: int, *,
-            small: bool | None = None, event: Any = None) -> DriverEvent:
+            small: bool | None = None, event: Any = None,
+            stores: list[tuple[int, int]] | None = None) -> DriverEvent:
         """Enqueue one launch on the CUDA stream handle ``stream`` (an int, as torch's
         ``Stream.cuda_stream``) over ``ntiles`` tiles; returns an event recorded after it.
 
@@ -524,7 +527,10 @@ class RegroupKernel:
         the kernel on the same stream). ``small`` forces the parameter (True) or device memory
         (False) (tests); a table too large for the parameter is a :class:`KernelError` then.
         ``event``: a CUDA event of the caller's to record after the launch instead of one of
-        the kernel's (a landed event: the caller keeps it, the returned one never frees it)."""
+        the kernel's (a landed event: the caller keeps it, the returned one never frees it).
+        ``stores``: completion tokens ``kvd_store_tokens`` stores right after the event, in the
+        same context push (:meth:`store_tokens`; a refused token launch is logged, never
+        raised: the launch is in flight and the replies still come)."""
         if table.dtype != np.int64 or not table.flags.c_contiguous:
             raise KernelError("a launch table is a contiguous int64 array")
         if small is None:
@@ -537,27 +543,43 @@ class RegroupKernel:
         else:
             how = "device"
         cu = _driver()
-        hs = cu.CUstream(stream)
+        hs = self._handles.get(stream)
+        if hs is None:  # (a handle object per stream, kept: building one per launch costs host time)
+            if len(self._handles) >= 64:
+                self._handles.clear()
+            hs = self._handles[stream] = cu.CUstream(stream)
         _check(cu.cuCtxPushCurrent(self.ctx), "cuCtxPushCurrent")
         mark("kernel.pushed", how)
         try:
-            if how == "small":
-                return self._enqueue_param(cu, table, npairs, ntiles, hs, self._func_small, self._small,
-                                           self._small_ptrs_addr, event)
-            if how == "large":
+            ev = self._enqueue_how(cu, how, table, npairs, ntiles, hs, event, small)
+            if stores:
                 try:
-                    return self._enqueue_param(cu, table, npairs, ntiles, hs, self._func_large, self._large,
-                                               self._large_ptrs_addr, event)
+                    self._launch_tokens(cu, hs, stores)
                 except KernelError as exc:
-                    if small:
-                        raise
-                    # a driver older than the compiler refuses the 32 KiB parameter: nothing
-                    # was enqueued; say so once and send such tables through device memory
-                    self._func_large = None
-                    log.warning("regroup.large_parameter_refused", device=self.device, error=str(exc))
-            return self._enqueue(cu, table, npairs, ntiles, hs, event)
+                    log.warning("transfer.tokens_not_stored", device=self.device, error=str(exc),
+                                fallback="executors wait for their replies")
+            return ev
         finally:
             cu.cuCtxPopCurrent()
+
+    def _enqueue_how(self, cu: Any, how: str, table: npt.NDArray[np.int64], npairs: int, ntiles: int, hs: Any,
+                     event: Any, small: bool | None) -> DriverEvent:
+        """:meth:`run`'s launch by the table path ``how``, in the pushed context."""
+        if how == "small":
+            return self._enqueue_param(cu, table, npairs, ntiles, hs, self._func_small, self._small,
+                                       self._small_ptrs_addr, event)
+        if how == "large":
+            try:
+                return self._enqueue_param(cu, table, npairs, ntiles, hs, self._func_large, self._large,
+                                           self._large_ptrs_addr, event)
+            except KernelError as exc:
+                if small:
+                    raise
+                # a driver older than the compiler refuses the 32 KiB parameter: nothing
+                # was enqueued; say so once and send such tables through device memory
+                self._func_large = None
+                log.warning("regroup.large_parameter_refused", device=self.device, error=str(exc))
+        return self._enqueue(cu, table, npairs, ntiles, hs, event)
 
     def _enqueue_param(self, cu: Any, table: npt.NDArray[np.int64], npairs: int, ntiles: int, hs: Any,
                        func: Any, buf: npt.NDArray[np.int64], ptrs_addr: int, event: Any = None) -> DriverEvent:
@@ -612,23 +634,28 @@ class RegroupKernel:
         :meth:`run`): each ``(device address, value)`` 64-bit store happens once everything
         enqueued before it there has finished (at most :data:`MAX_TOKEN_STORES`). Raises
         :class:`KernelError` (nothing enqueued) when the driver refuses."""
-        if not 0 < len(stores) <= MAX_TOKEN_STORES:
-            raise KernelError(f"{len(stores)} token stores; a launch takes 1 to {MAX_TOKEN_STORES}")
         cu = _driver()
         hs = cu.CUstream(stream)
         _check(cu.cuCtxPushCurrent(self.ctx), "cuCtxPushCurrent")
         try:
-            with self._args_lock:  # cuLaunchKernel copies the parameter before it returns
-                buf = self._tokens
-                buf[:] = 0
-                buf[0] = len(stores)
-                for i, (addr, value) in enumerate(stores):
-                    buf[1 + i] = _as_i64(addr)
-                    buf[1 + MAX_TOKEN_STORES + i] = _as_i64(value)
-                _check(cu.cuLaunchKernel(self._func_tokens, 1, 1, 1, 32, 1, 1, 0, hs, self._tokens_ptrs_addr, 0),
-                       "cuLaunchKernel")
+            self._launch_tokens(cu, hs, stores)
         finally:
             cu.cuCtxPopCurrent()
+
+    def _launch_tokens(self, cu: Any, hs: Any, stores: list[tuple[int, int]]) -> None:
+        """:meth:`store_tokens`' launch, in the pushed context."""
+        if not 0 < len(stores) <= MAX_TOKEN_STORES:
+            raise KernelError(f"{len(stores)} token stores; a launch takes 1 to {MAX_TOKEN_STORES}")
+        with self._args_lock:  # cuLaunchKernel copies the parameter before it returns
+            buf = self._tokens
+            buf[:] = 0
+            buf[0] = len(stores)
+            for i, (addr, value) in enumerate(stores):
+                buf[1 + i] = _as_i64(addr)
+                buf[1 + MAX_TOKEN_STORES + i] = _as_i64(value)
+            _check(cu.cuLaunchKernel(self._func_tokens, 1, 1, 1, 32, 1, 1, 0, hs, self._tokens_ptrs_addr, 0),
+                   "cuLaunchKernel")
+        mark("tokens stored")
 
 
 def _as_i64(u: int) -> int:

@@ -180,6 +180,30 @@ def launch_kernel(p: Plan, src: dict[int, torch.Tensor], dst: dict[int, torch.Te
     return KernelLaunch(launched, launch_on, t1, t1 - t0, mark_)
 
 
+def launch_template(k: kernel_mod.RegroupKernel, tpl: kernel_mod.LaunchTemplate, table: npt.NDArray[np.int64],
+                    stream: int, *, launch_on: Literal["src", "dst"], landed: bool = False,
+                    stores: list[tuple[int, int]] | None = None) -> KernelLaunch:
+    """:func:`launch_kernel` for a request whose one launch is known already (the mapped
+    path's recipe: kernel ``k`` on its device, template ``tpl``, the request's ``table`` and
+    the ``stream`` handle): the same launch, landed event and token stores, without looking
+    any of them up. The landed event is the launch's own completion event and the token
+    kernel follows it in the same context push (one push, three enqueues)."""
+    t0 = time.perf_counter()
+    event: Any = None
+    mark_: LandedMark | None = None
+    if landed:
+        got = landed_mod.take(k.device, stream)
+        if got is not None:
+            event, mark_ = got
+    inline = stores if mark_ is not None and stores and gpu_tokens() == "kernel" else None
+    ev = k.run(table, tpl.npairs, tpl.tiles, stream, event=event, stores=inline)
+    t1 = time.perf_counter()
+    mark("launched")
+    if mark_ is not None and stores and inline is None:
+        _store_tokens(mark_.device, stores)  # (stream memory operations: their own push)
+    return KernelLaunch([regroup_apply.Completion("kernel", tpl.nbytes, [ev])], launch_on, t1, t1 - t0, mark_)
+
+
 def _store_tokens(device: int, stores: list[tuple[int, int]]) -> None:
     """The completion tokens, on the stream the landed event was recorded on, after it: a
     token read means the event completed too. Speed only: the replies still come."""
