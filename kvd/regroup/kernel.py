@@ -852,14 +852,19 @@ class LaunchTemplate:
     #: request of a template has the same sizes; a few kept)
     _bounds: dict[tuple[int, ...], npt.NDArray[np.int64]] = field(default_factory=dict, compare=False, repr=False)
 
-    def table(self, tables: list[tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]]) -> npt.NDArray[np.int64]:
+    def table(self, tables: list[tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]], *,
+              check: bool = True) -> npt.NDArray[np.int64]:
         """The launch table of one request: the descriptors, then its (src, dst) block tables,
-        one pair per descriptor in order. Raises ValueError when a table reaches outside its pool."""
+        one pair per descriptor in order. Raises ValueError when a table reaches outside its
+        pool; ``check=False`` leaves that check to a caller that knows no table can
+        (:meth:`within`)."""
         if len(tables) != len(self.limits):
             raise ValueError(f"{len(tables)} pairs of block tables for a template of {len(self.limits)}")
         flat: list[npt.NDArray[np.int64]] = [self.desc]
         for st, dt in tables:
             flat += (st, dt)
+        if not check:
+            return np.concatenate(flat)
         # one concatenation, then one comparison against every entry's limit (a max per
         # table and a check each cost more than the copy for small requests)
         out = np.concatenate(flat)
@@ -873,6 +878,13 @@ class LaunchTemplate:
         if (out[sizes[0]:] > bound).any():
             raise ValueError("a block table reaches outside its pool (the pool is smaller than its layout)")
         return out
+
+
+def within(tpl: LaunchTemplate, bounds: list[tuple[int, int]]) -> bool:
+    """Whether block tables whose values are at most ``bounds`` (per pair, src and dst, in
+    the template's order) always keep every pair inside its pools."""
+    return len(bounds) == len(tpl.limits) and all(
+        s <= ls and d <= ld for (s, d), (ls, ld) in zip(bounds, tpl.limits, strict=True))
 
 
 def template(

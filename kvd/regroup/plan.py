@@ -191,6 +191,20 @@ class Plan:
         return _pair_fragments(box, self.ctx, self.gen, shape.src_strides[s], shape.dst_strides[d],
                                self.ctx_offsets[s], self.gen_offsets[d], shape.sub)
 
+    def offset_bounds(self) -> tuple[dict[int, int], dict[int, int]] | None:
+        """Per rank, the largest byte offset :attr:`ctx_offsets` / :attr:`gen_offsets` can hold
+        for any request of this plan's shape whose block ids are valid (below each layout's
+        ``num_blocks``, as :func:`plan` checks): what a launch table of the shape can reach.
+        Computed once per shape; None for a plan built by hand."""
+        shape = self._shape
+        if shape is None:
+            return None
+        got = shape.memo.get("offset_bounds")
+        if got is None:
+            got = shape.memo["offset_bounds"] = (_walk_bounds(shape.src_walk, self.ctx),
+                                                 _walk_bounds(shape.dst_walk, self.gen))
+        return got  # type: ignore[return-value]
+
     def box(self, s: int, d: int) -> Box | None:
         """The layer/head region pair (s, d) moves, or None."""
         return self._boxes.get((s, d))
@@ -674,6 +688,16 @@ class _Walk:
         else:
             off = matrix[:, self.blk] * self.block + self.within * self.step
         return {r: off[i] for i, r in enumerate(self.ranks)}
+
+
+def _walk_bounds(walk: _Walk, layout: KVLayout) -> dict[int, int]:
+    """Per rank of ``walk``, the largest offset it yields for valid ids (every id the last
+    block: offsets grow with the id)."""
+    if walk.nsub == 0:
+        return dict.fromkeys(walk.ranks, 0)
+    cols = walk.nsub if walk.k == 1 else int(walk.blk.max()) + 1
+    top = np.full((len(walk.ranks), cols), max(layout.num_blocks - 1, 0), dtype=np.int64)
+    return {r: int(off.max()) for r, off in walk.offsets({}, top).items()}
 
 
 @dataclass(frozen=True, eq=False)

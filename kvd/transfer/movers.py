@@ -159,7 +159,9 @@ def launch_kernel(p: Plan, src: dict[int, torch.Tensor], dst: dict[int, torch.Te
         marks.append(got[1])
         return got[0]
 
-    one = landed and launch_on == "src" and len(p.src_ranks()) == 1
+    # (one source rank: one launch, unless pulled by several GPUs, when regroup() records
+    # the kernel's own events and landed_after() finds no single stream)
+    one = landed and len(p.src_ranks()) == 1
     try:
         for s in p.src_ranks():
             launched.append(regroup_apply.regroup(p, s, src[s], dst, engine="kernel", launch_on=launch_on,

@@ -19,7 +19,7 @@ import numpy.typing as npt
 
 from kvd.regroup import apply as regroup_apply
 from kvd.regroup import landed as landed_mod
-from kvd.regroup.kernel import LaunchTemplate, kernel_for, kernel_ready
+from kvd.regroup.kernel import LaunchTemplate, kernel_for, kernel_ready, within
 from kvd.regroup.plan import Plan
 from kvd.transfer.movers import copy_runs, kernels_loaded, launch_template
 from kvd.transfer.paths import local
@@ -104,7 +104,10 @@ def launch_now(job: Job) -> local.KernelRun | None:
     where, need = placed
     if not all(kernel_ready(dev) and landed_mod.prepared(dev) for dev in need):
         return None  # not loaded yet (or unavailable): send() loads it in a worker thread
-    run = _start_kernel(job, where, landed=where == "src")
+    # a landed event (and the GPU's token stores) whenever the launches went to one stream of
+    # one device: pushed from the ctx GPU, or pulled by the one GPU that holds gen's pools (ctx
+    # and gen on two GPUs of a node: the ring of that device, whose context gen opens it in)
+    run = _start_kernel(job, where, landed=True)
     if key is not None:
         _remember(key, job, where)
     return run
@@ -125,6 +128,9 @@ class Recipe:
     pairs: list[tuple[int, int]]
     stream: int
     where: Literal["src", "dst"]
+    #: no valid request of the shape can reach outside the pools (the layouts' block counts
+    #: fit them): the tables skip the per-request bounds check
+    bounded: bool = False
 
     def fits(self, job: Job) -> bool:
         """Whether ``job``, whose shape and pools are this recipe's (its key), can take it:
@@ -168,21 +174,23 @@ def _remember(key: tuple[Any, ...], job: Job, where: Literal["src", "dst"]) -> N
     k = kernel_for(dev)
     if k is None:
         return
-    _recipes[key] = Recipe(dict(job.src), dict(job.mapped), k, tpl, list(pairs), regroup_apply.raw_stream(dev), where)
+    bounds = job.plan.offset_bounds()
+    bounded = bounds is not None and within(tpl, [(bounds[0][s], bounds[1][d]) for s, d in pairs])
+    _recipes[key] = Recipe(dict(job.src), dict(job.mapped), k, tpl, list(pairs), regroup_apply.raw_stream(dev), where,
+                           bounded)
     while len(_recipes) > RECIPE_CACHE:
         _recipes.popitem(last=False)
 
 
 def _launch_recipe(job: Job, r: Recipe) -> local.KernelRun:
     """The request's launch from recipe ``r``: its block tables, counted as a posted write,
-    then the launch, the landed event (launched on the source GPU) and the token stores."""
+    then the launch, the landed event (its completion event) and the token stores."""
     p = job.plan
-    table = r.template.table([(p.ctx_offsets[s], p.gen_offsets[d]) for s, d in r.pairs])
+    table = r.template.table([(p.ctx_offsets[s], p.gen_offsets[d]) for s, d in r.pairs], check=not r.bounded)
     job.progress.posted()
     try:
-        landed = r.where == "src"
-        launched = launch_template(r.kernel, r.template, table, r.stream, launch_on=r.where, landed=landed,
-                                   stores=job.stores if landed else None)
+        launched = launch_template(r.kernel, r.template, table, r.stream, launch_on=r.where, landed=True,
+                                   stores=job.stores)
     except BaseException:
         job.progress.ended()  # nothing of it is running (a refused launch enqueued nothing)
         raise
