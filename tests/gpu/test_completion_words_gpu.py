@@ -51,6 +51,7 @@ def test_gen_executors_complete_from_ctx_gpu_tokens_while_their_daemon_is_stoppe
     pair = start_pair(daemon_factory, short_tmp, LAYOUT, LAYOUT, num_blocks=32, mapped=True, memory="auto",
                       ctx_device=0, gen_device=gen_dev)
     pair.ctx.logged("peer.pools_mapped")
+    pair.gen.logged("peer.connected", node="ctx")  # gen's executors name peer "ctx": gen must know it
     assert '"peer.completion_page_not_mapped"' not in pair.ctx.log()
     with Client(pair.ctx.socket_path, client="ctx", spin_s=1.0, completion_page=True) as ctx, \
             Client(pair.gen.socket_path, client="gen", spin_s=1.0, completion_page=True) as gen, \
@@ -170,6 +171,7 @@ def test_offer_accept_blocks_are_reusable_as_soon_as_the_page_says_done(
     pair = start_pair(daemon_factory, short_tmp, LAYOUT, LAYOUT, num_blocks=32, mapped=True, memory="auto",
                       ctx_device=0, gen_device=gen_dev)
     pair.ctx.logged("peer.pools_mapped")
+    pair.gen.logged("peer.connected", node="ctx")  # gen's executors name peer "ctx": gen must know it
     with Client(pair.ctx.socket_path, client="ctx") as ctx, \
             Client(pair.gen.socket_path, client="gen", spin_s=1.0, completion_page=True) as gen, \
             Client(pair.gen.socket_path, client="probe") as probe:

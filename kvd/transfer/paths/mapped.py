@@ -95,9 +95,12 @@ def launch_now(job: Job) -> local.KernelRun | None:
     (:class:`Recipe`): its block tables and the driver calls are all that run."""
     key = _recipe_key(job)
     recipe = _recipes.get(key) if key is not None else None
-    if recipe is not None and recipe.fits(job):
-        _recipes.move_to_end(key)  # type: ignore[arg-type]
-        return _launch_recipe(job, recipe)
+    if key is not None and recipe is not None:
+        if recipe.fits(job):
+            _recipes.move_to_end(key)
+            return _launch_recipe(job, recipe)
+        if recipe.stale():
+            del _recipes[key]  # (it holds closed mappings: let them go now, not at eviction)
     placed = _placement(job)
     if placed is None or copy_engine_runs(job.plan) is not None:
         return None
@@ -136,12 +139,16 @@ class Recipe:
         """Whether ``job``, whose shape and pools are this recipe's (its key), can take it:
         every mapping still open, the kernel still the one loaded there, and not a
         copy-engine request."""
-        if self.kernel is not kernel_for(self.kernel.device):
-            return False  # (the kernels were reset or turned off since: tests do)
-        if any(m.closed for m in self.mapped.values()):
+        if self.stale():
             return False
         p = job.plan
         return not (p.direct and COPY_ENGINE_ENABLED and p.total_bytes() >= COPY_ENGINE_MIN_RUN)
+
+
+    def stale(self) -> bool:
+        """Whether no request can take it any more: a mapping of it closed (the peer link went
+        down), or the kernel it names is no longer the one loaded (reset or turned off: tests)."""
+        return self.kernel is not kernel_for(self.kernel.device) or any(m.closed for m in self.mapped.values())
 
 
 #: Recipes kept (least recently used dropped beyond :data:`RECIPE_CACHE`), by :func:`_recipe_key`.
