@@ -284,7 +284,8 @@ class AsyncClient:
         is not the pool's), ``BlockNotLeased`` (a block not leased to this session), ``BadRequest``
         (a block id listed twice) or ``DuplicateRequest``. ``deadline_s`` bounds the
         whole transfer (default ``[transfer] deadline_s``); a peer that is down fails it then,
-        with ``PeerUnavailable``.
+        with ``PeerUnavailable``, and so does a peer whose link cannot authenticate (the two
+        daemons read different secrets).
         """
         msg = publish_request(self._id(), request_id, pool, layout, rank, block_ids, peer, ranks, deadline_s)
         await self._call(msg, m.Registered)

@@ -172,7 +172,8 @@ class TransferCancelled(TransferError):
 
 
 class PeerUnavailable(TransferError):
-    """The peer daemon is unknown, unreachable, or went away."""
+    """The peer daemon is unknown, unreachable, or went away, or the link to it cannot
+    authenticate (the two daemons read different secrets: the message says so)."""
 
     code = "peer_unavailable"
 

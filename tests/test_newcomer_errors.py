@@ -5,6 +5,8 @@
 - a configuration value only the daemon's checks refuse (a negative deadline) is a configuration
   error: exit 78, not 1 (systemd would restart a daemon that can never start);
 - a transfer to the daemon's own node that no gen rank expects is not "no link to the peer";
+- a transfer over a link the two daemons' secrets refuse says to give both the same secret, not
+  to start the peer daemon;
 - a second ``wait`` for a request whose outcome was reported, or a wait on another session;
 - ``deadline_s`` / ``timeout_s`` / ``request_id`` out of the protocol's bounds are refused by the
   client as the argument they are, not by the daemon as a malformed message; so are a ``peer``
@@ -31,11 +33,20 @@ import trio
 from clients import Client, PollingClient, open_client
 from kvd.demo.launch import DaemonProcess, start_daemon, write_config
 from kvd.startup import EX_CONFIG
-from protocol.errors import BadRequest, ConnectionClosed, IncompatibleLayout, NotFound, TransferTimeout
+from protocol.errors import (
+    BadRequest,
+    ConnectionClosed,
+    IncompatibleLayout,
+    NotFound,
+    PeerUnavailable,
+    TransferTimeout,
+)
 from protocol.layout import KVLayout
 from tests.conftest import host_pool
+from tests.hostile import wait_until
 from tests.test_ops_access import CLIENT, NOBODY, _as_nobody
 from tests.test_startup_errors import base_config, check_failure, secret, serve
+from tests.transfer_harness import write_secret
 
 LOST = "open a new Client once kvd answers again (kvctl ping --wait SECONDS)"
 
@@ -134,6 +145,40 @@ def test_a_transfer_to_the_own_node_that_no_gen_rank_expects(
             g0.wait("ctx-first", timeout_s=60)
         c.free("ctx0", ids)
         g0.free("gen0", gids)
+
+
+def test_a_transfer_over_a_link_the_secrets_refuse_says_to_give_both_the_same_secret(
+        daemon_factory: Callable[..., DaemonProcess], short_tmp: Path) -> None:
+    """ctx and gen read different peer secrets: ``kvctl peers`` said so (``[auth_failed] ... the
+    two daemons read different secrets``), but the wait of the executor publishing to gen ended
+    in "start the peer daemon, or check its [[peers]] host/port": advice for a peer that is down,
+    while this one runs at that address and refuses the handshake."""
+    gen = daemon_factory({"pools": [host_pool("gen0", num_blocks=8)],
+                          "peer_secret_file": write_secret(short_tmp, "gen.secret")}, name="gen")
+    ctx_secret = write_secret(short_tmp, "ctx.secret")  # another secret
+    ctx = daemon_factory({"pools": [host_pool("ctx0", num_blocks=8)], "peer_secret_file": ctx_secret,
+                          "peers": [{"name": "gen", "host": "127.0.0.1", "port": gen.peer_port}]}, name="ctx")
+    with Client(ctx.socket_path, client="ctx") as c:
+        # the deadline below must come after ctx's first refused handshake, not before it
+        wait_until(lambda: c.peers()[0].error.startswith("[auth_failed] "), "ctx's refused handshake with gen")
+        [peer] = c.peers()
+        assert peer.state == "connecting" and "the two daemons read different secrets" in peer.error, peer
+        [pool] = c.pools()
+        assert pool.layout is not None
+        ids = c.alloc("ctx0", 2)
+        c.publish("m6a", "ctx0", pool.layout, 0, ids, peer="gen", deadline_s=1)
+        with pytest.raises(PeerUnavailable) as info:
+            c.wait("m6a", timeout_s=60)
+    said = info.value.message
+    assert said.startswith("request 'm6a' (ctx side) missed its deadline of 1 s: no link to peer 'gen' (last "
+                           f"attempt: [auth_failed] peer 'gen' at 127.0.0.1:{gen.peer_port} failed the "
+                           "shared-secret handshake: "), said
+    assert said.endswith(
+        "; both daemons must read the same secret: the file each one's peer_secret_file names must hold "
+        f"identical bytes on both nodes (this daemon reads {ctx_secret}); copy one node's file to the other "
+        "(mode 600, owned by the daemon's user) and restart the daemon whose file changed: a daemon reads its "
+        "secret when it starts"), said
+    assert "start the peer daemon" not in said and "host/port" not in said, said
 
 
 def test_waiting_twice_or_on_another_session_says_why(daemon_factory: Callable[..., DaemonProcess]) -> None:

@@ -176,6 +176,9 @@ class PeerLinks:
         self.owed: dict[str, deque[x.XferMessage]] = {}
         self.secret: bytes | None = None
         self.last_error: dict[str, str] = {}  # peer -> why its last connect failed
+        #: peer -> the error code of that failure (e.g. ``auth_failed``; absent: the TCP connect
+        #: failed), which decides the advice of :meth:`down_hint`
+        self.last_code: dict[str, str] = {}
         #: peers whose link went down and has not come back: what ``kvctl peers`` shows for them
         #: (a lost incoming link would otherwise vanish from the list, an outgoing one say
         #: "last heard: never"); only peers that authenticated get here, so it stays small
@@ -233,7 +236,14 @@ class PeerLinks:
         return f"no link to peer {node!r}" + (f" (last attempt: {why})" if why else " (it never connected)")
 
     def down_hint(self, node: str) -> str:
-        """What an operator does about a link to ``node`` that is down (for error messages)."""
+        """What an operator does about a link to ``node`` that is down (for error messages): it
+        depends on why the last attempt failed. A peer that refused the handshake (or that we
+        refused) runs, at the configured address: the two daemons read different secrets."""
+        if self.last_code.get(node) == AuthFailed.code:
+            return ("both daemons must read the same secret: the file each one's peer_secret_file names must "
+                    f"hold identical bytes on both nodes (this daemon reads {self.config.peer_secret_file}); "
+                    "copy one node's file to the other (mode 600, owned by the daemon's user) and restart the "
+                    "daemon whose file changed: a daemon reads its secret when it starts")
         for peer in self.config.peers:
             if peer.name == node:
                 return (f"start the peer daemon, or check its [[peers]] host/port ({peer.host}:{peer.port}) "
@@ -345,6 +355,7 @@ class PeerLinks:
 
         def tcp_failed(reason: str) -> None:  # the TCP connect itself (retried inside, 2 s at most)
             self.last_error[node] = reason
+            self.last_code.pop(node, None)
             self.attempts[node] = self.attempts.get(node, 0) + 1
 
         while True:
@@ -366,6 +377,7 @@ class PeerLinks:
                                        warn=warn)
             except KvdError as exc:
                 self.last_error[node] = str(exc)
+                self.last_code[node] = exc.code
                 self.attempts[node] = self.attempts.get(node, 0) + 1
                 delay = backoff.failed()
                 failures.warning("peer.connect_failed", throttle_key=f"peer.connect_failed|{exc}", node=node,
@@ -464,6 +476,7 @@ class PeerLinks:
             self.links[node] = link
         self.seen.add(node)
         self.last_error.pop(node, None)
+        self.last_code.pop(node, None)
         self.lost.pop(node, None)
         self._changed.set()
         self._changed = trio.Event()

@@ -887,7 +887,7 @@ class Transfer:
         if st not in f.FINAL and st is not f.State.ABORTING:
             self.feed(f.LocalFailure(f.Role.GEN, PeerUnavailable.code,
                                      f"request {self.request_id!r} (gen side): its destination never reached "
-                                     f"peer {self.peer!r} (no link); {links.down_hint(self.peer)}"))
+                                     f"the peer: {links.describe_missing(self.peer)}; {links.down_hint(self.peer)}"))
         self.post(f.PeerFenced())  # none of the peer's writes can land: it never had the destination
 
     # -- reports ----------------------------------------------------------------------------------
