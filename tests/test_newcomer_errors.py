@@ -7,6 +7,7 @@
 - a transfer to the daemon's own node that no gen rank expects is not "no link to the peer";
 - a transfer over a link the two daemons' secrets refuse says to give both the same secret, not
   to start the peer daemon;
+- a request id registered twice on a rank says which session holds it and what to do;
 - a second ``wait`` for a request whose outcome was reported, or a wait on another session;
 - ``deadline_s`` / ``timeout_s`` / ``request_id`` out of the protocol's bounds are refused by the
   client as the argument they are, not by the daemon as a malformed message; so are a ``peer``
@@ -36,6 +37,7 @@ from kvd.startup import EX_CONFIG
 from protocol.errors import (
     BadRequest,
     ConnectionClosed,
+    DuplicateRequest,
     IncompatibleLayout,
     NotFound,
     PeerUnavailable,
@@ -179,6 +181,57 @@ def test_a_transfer_over_a_link_the_secrets_refuse_says_to_give_both_the_same_se
         "(mode 600, owned by the daemon's user) and restart the daemon whose file changed: a daemon reads its "
         "secret when it starts"), said
     assert "start the peer daemon" not in said and "host/port" not in said, said
+
+
+def test_a_request_id_registered_twice_says_by_whom_and_what_to_do(
+        daemon_factory: Callable[..., DaemonProcess]) -> None:
+    """A registration of a request id whose rank a live request holds already was refused with
+    "request 'm6b': rank 0 already registered (gen)": not which session holds it (this one, or
+    another executor using the same id), nor what to do about it."""
+    d = daemon_factory({"pools": _local_pools()}, name="local")
+    ctx, gen = _layouts(d)
+    pid = os.getpid()
+    with Client(d.socket_path, client="ctx") as c, Client(d.socket_path, client="g0") as g0, \
+            Client(d.socket_path, client="g0-too") as too, Client(d.socket_path, client="g1") as g1:
+        sid = {s.client: s.session_id for s in c.sessions()}
+        gids = g0.alloc("gen0", 2)
+        g0.expect("m6b", "gen0", gen, 0, gids)  # gen rank 1 has not registered: the side is incomplete
+        live = ("and that request is live: request ids must be unique among the live requests of a pair of "
+                "daemons (here: this daemon and the ctx daemon that will offer it (gen named no peer)); ")
+        with pytest.raises(DuplicateRequest) as info:
+            g0.expect("m6b", "gen0", gen, 0, gids)
+        assert info.value.message == (f"request 'm6b': gen rank 0 is already registered by this session (session "
+                                      f"{sid['g0']} ('g0', pid {pid})), {live}use a new request id, or wait for "
+                                      "the live one (or cancel it)")
+        other = too.alloc("gen0", 2)
+        with pytest.raises(DuplicateRequest) as info:
+            too.expect("m6b", "gen0", gen, 0, other)
+        assert info.value.message == (f"request 'm6b': gen rank 0 is already registered by another session, "
+                                      f"session {sid['g0']} ('g0', pid {pid}), {live}use a new request id, or "
+                                      f"leave the live one to session {sid['g0']}, which waits for it or cancels it")
+        too.expect("m6b-2", "gen0", gen, 0, other)  # a new id registers
+
+        # a side past registering (ctx TP1, waiting for its gen ranks on this daemon): the same words
+        ids = c.alloc("ctx0", 2)
+        c.publish("m6c", "ctx0", ctx, 0, ids, peer="local")
+        with pytest.raises(DuplicateRequest) as info:
+            c.publish("m6c", "ctx0", ctx, 0, ids, peer="local")
+        assert info.value.message == (
+            f"request 'm6c': ctx rank 0 is already registered by this session (session {sid['ctx']} ('ctx', pid "
+            f"{pid})), and that request is live: request ids must be unique among the live requests of a pair of "
+            "daemons (here: this daemon 'local' alone: ctx and gen both on it, the local path); use a new request "
+            "id, or wait for the live one (or cancel it)")
+        # once it ran, and before every session collected it, the id is still taken: it says so
+        more = [g0.alloc("gen0", 2), g1.alloc("gen1", 2)]
+        g0.expect("m6c", "gen0", gen, 0, more[0])
+        g1.expect("m6c", "gen1", gen, 1, more[1])
+        assert c.wait("m6c", timeout_s=60).ok
+        with pytest.raises(DuplicateRequest) as info:
+            c.publish("m6c", "ctx0", ctx, 0, ids, peer="local")
+        assert info.value.message == (f"request 'm6c': ctx rank 0 was registered by this session (session "
+                                      f"{sid['ctx']} ('ctx', pid {pid})), and that request ended here (done); use "
+                                      "a new request id")
+        assert g0.wait("m6c", timeout_s=60).ok and g1.wait("m6c", timeout_s=60).ok
 
 
 def test_waiting_twice_or_on_another_session_says_why(daemon_factory: Callable[..., DaemonProcess]) -> None:

@@ -111,6 +111,12 @@ class Session:
         if len(seen) > RECENT_REGISTRATIONS:
             del seen[next(iter(seen))]
 
+    def describe(self) -> str:
+        """How messages name this session: ``session 14 ('gen-1', pid 4242)``, with its client
+        name when it gave one (``kvctl sessions`` lists each session's id, client and pid)."""
+        who = f"{self.client!r}, " if self.client else ""
+        return f"session {self.id} ({who}pid {self.pid})"
+
     def info(self, blocks_leased: int) -> m.SessionInfo:
         """Wire description for ``kvctl sessions``."""
         return m.SessionInfo(

@@ -36,7 +36,7 @@ import trio
 from kvd.config import usable_cpus
 from kvd.ops.collector import IdleCollector
 from kvd.ops.throttle import Throttle
-from kvd.transfer.requests import Side, add_registration
+from kvd.transfer.requests import Side, add_registration, rank_registered
 from kvd.transfer.timers import DueHeap
 from kvd.transfer.transfer import Env, Transfer
 from kvd.transfer.words import CompletionPage
@@ -299,6 +299,14 @@ class Engine:
             return ended
         return "", unmatched
 
+    def _pair(self, t: Transfer) -> str:
+        """The pair of daemons among whose live requests ``t``'s id is unique (for messages)."""
+        if t.peer == self.node:
+            return f"this daemon {self.node!r} alone: ctx and gen both on it, the local path"
+        if not t.peer:
+            return "this daemon and the ctx daemon that will offer it (gen named no peer)"
+        return f"this daemon and peer {t.peer!r}"
+
     async def register(self, session: Session, msg: m.Expect | m.Publish) -> tuple[int, int]:
         """Add one rank's registration; raises (changing nothing) when it is refused. Returns
         the side's completion slot and token (:mod:`kvd.transfer.words`; -1, 0: none)."""
@@ -327,6 +335,11 @@ class Engine:
             st = side_state.state
             if st is f.State.FAILED:
                 raise error_from_code(side_state.code, f"request {rid!r} already failed: {side_state.message}")
+            side = t.sides.get(role)
+            part = side.parts.get(msg.rank) if side is not None else None
+            if part is not None:  # this rank registered it already: by whom, and what to do
+                ended = st.value if t.finished.is_set() or st in f.FINAL else ""
+                raise rank_registered(rid, _ROLE[role], part, session, pair=self._pair(t), ended=ended)
             if t.finished.is_set() or (st is not _IDLE and st is not _REGISTERING):
                 raise DuplicateRequest(f"request {rid!r} ({_ROLE[role]}) is already registered or ran; "
                                        "use a new request id")

@@ -219,6 +219,25 @@ def _show(value: object) -> object:
     return list(value) if isinstance(value, tuple) else value
 
 
+def rank_registered(request_id: str, role: str, part: RankPart, session: Session, *, pair: str = "",
+                    ended: str = "") -> DuplicateRequest:
+    """The refusal of a registration whose rank ``part`` holds already: which session holds it
+    (the caller's own or another one), and what to do. ``pair`` names the pair of daemons the id
+    is unique among (e.g. "this daemon and peer 'gen'"), ``ended`` the final state of a request
+    that ended ("": it is live)."""
+    holder = part.session
+    mine = holder.id == session.id
+    by = f"by this session ({holder.describe()})" if mine else f"by another session, {holder.describe()}"
+    head = f"request {request_id!r}: {role} rank {part.rank} {'was' if ended else 'is already'} registered {by}"
+    if ended:
+        return DuplicateRequest(f"{head}, and that request ended here ({ended}); use a new request id")
+    where = f" (here: {pair})" if pair else ""
+    todo = ("use a new request id, or wait for the live one (or cancel it)" if mine else
+            f"use a new request id, or leave the live one to session {holder.id}, which waits for it or cancels it")
+    return DuplicateRequest(f"{head}, and that request is live: request ids must be unique among the live "
+                            f"requests of a pair of daemons{where}; {todo}")
+
+
 def add_registration(
     side: Side | None,
     session: Session,
@@ -263,8 +282,9 @@ def add_registration(
     if side.peer != peer:
         raise BadRequest(f"request {msg.request_id!r}: peer {peer!r} differs from earlier ranks' {side.peer!r}; "
                          "every rank of a side names the same peer (the other side's node), or none")
-    if msg.rank in side.parts:
-        raise DuplicateRequest(f"request {msg.request_id!r}: rank {msg.rank} already registered ({role})")
+    part = side.parts.get(msg.rank)
+    if part is not None:
+        raise rank_registered(msg.request_id, role, part, session)
     side.parts[msg.rank] = RankPart(msg.rank, pool, list(msg.block_ids), session)
     side.deadline = min(side.deadline, deadline)
     return side
