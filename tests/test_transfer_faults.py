@@ -212,9 +212,63 @@ async def test_expect_naming_a_configured_peer_that_is_down_fails_at_its_deadlin
                 for r in range(2):
                     await nursery.start(rank, gen, r)
     for r in range(2):
-        assert isinstance(results[r], TransferTimeout | PeerUnavailable), results
-        assert "r-unsent" in str(results[r]), results[r]
+        res = results[r]
+        # the announce never left: never "announced to it", whichever deadline handler ran first
+        assert isinstance(res, PeerUnavailable), results
+        assert res.message.startswith("request 'r-unsent' (gen side): its destination never reached the peer: "
+                                      "no link to peer 'ctx' (last attempt: "), res.message
+        assert res.message.endswith(f"; start the peer daemon, or check its [[peers]] host/port (127.0.0.1:{port}) "
+                                    "in this daemon's configuration"), res.message
+        assert "announced" not in res.message, res.message
     await assert_clean(gen)
+
+
+async def test_expect_naming_a_peer_with_another_secret_says_the_destination_never_left(
+        daemon_factory: Factory, short_tmp: Path) -> None:
+    """gen names its ctx daemon (``expect(peer=)``) but the two read different secrets: the
+    link never comes up, so no announce ever leaves. Every gen wait ends in ``PeerUnavailable``
+    naming the refused handshake and the secret advice, never a timeout saying the destination
+    was announced. At each request's deadline two handlers wake (the transfer's deadline and
+    the sender waiting for the link), in an order the scheduler picks anew for each: eight
+    requests make both orders happen in a run all but once in 128."""
+    from tests.transfer_harness import pools_for
+
+    rids = [f"r-secret-{i}" for i in range(8)]
+    results: dict[tuple[str, int], object] = {}
+
+    async def rank(rid: str, r: int, task_status: trio.TaskStatus[None]) -> None:
+        async with open_client(gen.socket_path, client=f"gen{r}-{rid}") as c:
+            ids = await c.alloc(f"gen{r}", 1)
+            await c.expect(rid, f"gen{r}", GEN, r, ids, peer="ctx", deadline_s=1.5)
+            task_status.started()
+            try:
+                results[rid, r] = await c.wait(rid)
+            except KvdError as exc:
+                results[rid, r] = exc
+
+    ctx = daemon_factory({"pools": pools_for("ctx", CTX, 16),
+                          "peer_secret_file": write_secret(short_tmp, "ctx.secret")}, name="ctx")
+    gen_secret = write_secret(short_tmp, "gen.secret")
+    gen = daemon_factory({"pools": pools_for("gen", GEN, 16), "peer_secret_file": gen_secret,
+                          "peers": [{"name": "ctx", "host": "127.0.0.1", "port": ctx.peer_port}]}, name="gen")
+    # the refusal is known before any request waits: each one's failure can name it
+    with trio.fail_after(20):
+        while '"peer.auth_failed"' not in gen.log():
+            await trio.sleep(0.02)
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            for rid in rids:
+                for r in range(2):
+                    await nursery.start(rank, rid, r)
+    assert len(results) == 2 * len(rids), results
+    for (rid, _r), res in sorted(results.items()):
+        assert isinstance(res, PeerUnavailable), (rid, res)
+        assert res.message.startswith(f"request {rid!r} (gen side): its destination never reached the peer: "
+                                      "no link to peer 'ctx' (last attempt: "), res.message
+        assert "failed the shared-secret handshake" in res.message, res.message
+        assert "both daemons must read the same secret" in res.message and gen_secret in res.message, res.message
+        assert "announced" not in res.message and "start the peer daemon" not in res.message, res.message
+    await assert_clean(gen, ctx)
 
 
 async def test_peer_without_the_secret_is_refused(daemon_factory: Factory, short_tmp: Path) -> None:

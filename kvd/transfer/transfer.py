@@ -283,6 +283,7 @@ class Transfer:
         self._inline = False  # actions are running in a caller's step
         self._deferred: list[f.Action] = []  # actions of events fed meanwhile: they go after
         self._backlog: list[x.XferMessage] | None = None  # messages waiting for the link, in order
+        self._unsent_told = False  # gen's destination never left: the side failed for it (once)
         self.uses_nixl = False  # its path moves bytes over NIXL (told to the engine once)
         self._corked: PeerLink | None = None  # the link held while the data path starts inline
         self._landed: LandedMark | None = None  # ctx: the landed event its path message names
@@ -587,6 +588,12 @@ class Transfer:
                                          f"ranks are running and {verb} this request id, {more}"))
                 continue
             links = self.env.links()
+            if role is f.Role.GEN and links is not None and self._destination_waits(links):
+                # its destination still waits for a link that never came up: the peer never
+                # heard of it. The backlog's sender, woken by the same deadline, says the same
+                # when it runs first; whichever runs first, the outcome is this one
+                self._destination_unsent(links)
+                continue
             if role is f.Role.CTX and st in (f.State.READY, f.State.OFFERED):
                 if self.peer == self.env.node:
                     # the local path: the gen side lives here and never registered (or only some
@@ -878,11 +885,20 @@ class Transfer:
             if not self.machine.finished and any(isinstance(msg, x.XferAnnounce | x.XferAccept) for msg in left):
                 self._destination_unsent(links)
 
+    def _destination_waits(self, links: PeerLinks) -> bool:
+        """gen's destination (announce or accept) still waits in the backlog for a link to the
+        peer that is not up: it never left."""
+        return (self.peer not in links.links and self._backlog is not None
+                and any(isinstance(msg, x.XferAnnounce | x.XferAccept) for msg in self._backlog))
+
     def _destination_unsent(self, links: PeerLinks) -> None:
         """gen's destination never left (no link to the peer before the deadline): the peer
         cannot write into these blocks, so the gen side may report (it fails here, unless it
         failed already, e.g. at the same deadline) instead of waiting for a peer that never
         heard of the request."""
+        if self._unsent_told:
+            return  # the deadline's handler and the backlog's sender both come here: once
+        self._unsent_told = True
         st = self.machine.state(f.Role.GEN)
         if st not in f.FINAL and st is not f.State.ABORTING:
             self.feed(f.LocalFailure(f.Role.GEN, PeerUnavailable.code,
