@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -180,6 +181,87 @@ async def test_publish_to_a_configured_peer_that_is_down_says_what_to_do(
         res.message
     assert res.message.endswith(f"; start the peer daemon, or check its [[peers]] host/port (127.0.0.1:{port}) "
                                 "in this daemon's configuration"), res.message
+    await assert_clean(ctx)
+
+
+async def _publish_after_refusal(ctx: DaemonProcess, rid: str, peer: str) -> BaseException | object:
+    """ctx's dialler was refused once (its log says so), then ctx publishes to ``peer``: its
+    failure at the deadline names that refusal and the advice for it."""
+    with trio.fail_after(20):
+        while '"peer.connect_failed"' not in ctx.log():
+            await trio.sleep(0.02)
+    async with open_client(ctx.socket_path, client="ctx0") as c:
+        ids = await c.alloc("ctx0", 4)
+        await c.publish(rid, "ctx0", CTX, 0, ids, peer=peer, deadline_s=1.0)
+        try:
+            return await c.wait(rid)
+        except KvdError as exc:
+            return exc
+
+
+async def test_publish_to_a_peer_entry_naming_another_node_says_which_names(
+        daemon_factory: Factory, short_tmp: Path) -> None:
+    """ctx's [[peers]] entry names 'gne' but the daemon at that address is 'gen': the advice
+    names both (it used to say "start the peer daemon", which runs)."""
+    from tests.transfer_harness import pools_for
+
+    secret = write_secret(short_tmp)
+    gen = daemon_factory({"pools": pools_for("gen", GEN, 16), "peer_secret_file": secret}, name="gen")
+    ctx = daemon_factory({"pools": pools_for("ctx", CTX, 16), "peer_secret_file": secret,
+                          "peers": [{"name": "gne", "host": "127.0.0.1", "port": gen.peer_port}]}, name="ctx")
+    res = await _publish_after_refusal(ctx, "r-name", "gne")
+    assert isinstance(res, PeerUnavailable), res
+    assert res.message.startswith("request 'r-name' (ctx side) missed its deadline of 1 s: no link to peer 'gne' "
+                                  "(last attempt: "), res.message
+    assert res.message.endswith("; the daemon at that address announced the node name 'gen', but this daemon's "
+                                "[[peers]] entry expects 'gne': if it is the peer meant, rename the entry to 'gen' "
+                                "(and name that peer in requests) or set that daemon's node to 'gne'; otherwise "
+                                "fix the entry's host/port"), res.message
+    assert "start the peer daemon" not in res.message
+    await assert_clean(ctx, gen)
+
+
+@pytest.mark.parametrize("reply", ["challenge", "refusal"])
+async def test_publish_to_a_peer_of_another_protocol_version_says_to_align_versions(
+        daemon_factory: Factory, short_tmp: Path, reply: str) -> None:
+    """The daemon at ctx's [[peers]] address speaks another peer protocol: it challenges with
+    its version (both versions known), or refuses ours as a newer kvd does (ours known). The
+    advice says both daemons must run compatible kvd versions, naming what is known."""
+    from importlib.metadata import version as installed
+
+    from kvd.peer.auth import new_nonce
+    from protocol.peer import PEER_PROTOCOL_VERSION, PeerChallenge, PeerError, encode_peer
+    from tests.transfer_harness import pools_for
+
+    theirs = PEER_PROTOCOL_VERSION + 1
+    answer = encode_peer(
+        PeerChallenge(version=theirs, node="gen", nonce=new_nonce(), mac=b"") if reply == "challenge" else
+        PeerError(code="version_mismatch", message=f"peer 'ctx' speaks peer protocol {PEER_PROTOCOL_VERSION}, "
+                  f"we speak {theirs}"))
+
+    async def other_kvd(stream: trio.SocketStream) -> None:  # answers the hello, reads until closed
+        with trio.move_on_after(10):
+            await stream.send_all(answer)
+            while await stream.receive_some():
+                pass
+        await stream.aclose()
+
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(partial(trio.serve_tcp, other_kvd, 0, host="127.0.0.1"))
+        port = listeners[0].socket.getsockname()[1]
+        ctx = daemon_factory({"pools": pools_for("ctx", CTX, 16), "peer_secret_file": write_secret(short_tmp),
+                              "peers": [{"name": "gen", "host": "127.0.0.1", "port": port}]}, name="ctx")
+        res = await _publish_after_refusal(ctx, "r-version", "gen")
+        nursery.cancel_scope.cancel()
+    assert isinstance(res, PeerUnavailable), res
+    assert res.message.startswith("request 'r-version' (ctx side) missed its deadline of 1 s: no link to peer "
+                                  "'gen' (last attempt: "), res.message
+    ours = f"this daemon runs kvd {installed('kvd')} (peer protocol {PEER_PROTOCOL_VERSION})"
+    peer = (f"the peer speaks peer protocol {theirs}" if reply == "challenge" else
+            "the peer refused that protocol (its refusal above, or its log, says which one it speaks)")
+    assert res.message.endswith(f"; both daemons must run compatible kvd versions: {ours}, {peer}; install the "
+                                "same kvd release on both nodes and restart the daemon that changed"), res.message
+    assert "start the peer daemon" not in res.message
     await assert_clean(ctx)
 
 

@@ -13,7 +13,9 @@ from kvd.peer.auth import (
 )
 from kvd.peer.link import (
     DEFAULT_HANDSHAKE_TIMEOUT,
+    NodeNameMismatch,
     PeerConnection,
+    PeerVersionMismatch,
     accept_peer,
     connect_peer,
     connect_with_backoff,
@@ -26,7 +28,9 @@ from kvd.peer.link import (
 __all__ = [
     "DEFAULT_HANDSHAKE_TIMEOUT",
     "MIN_SECRET_BYTES",
+    "NodeNameMismatch",
     "PeerConnection",
+    "PeerVersionMismatch",
     "accept_peer",
     "check_nonce",
     "connect_peer",

@@ -60,7 +60,9 @@ from protocol.peer import (
 
 __all__ = [
     "DEFAULT_HANDSHAKE_TIMEOUT",
+    "NodeNameMismatch",
     "PeerConnection",
+    "PeerVersionMismatch",
     "accept_peer",
     "connect_peer",
     "connect_with_backoff",
@@ -74,6 +76,27 @@ log = structlog.get_logger("kvd.peer")
 
 DEFAULT_HANDSHAKE_TIMEOUT = 10.0
 _M = TypeVar("_M", bound=msgspec.Struct)
+
+
+class PeerVersionMismatch(VersionMismatch):
+    """A ``VersionMismatch`` met while dialling a peer, with the versions for the operator's
+    advice: ``ours`` (this daemon's peer protocol), ``theirs`` (the peer's: None when the peer
+    refused ours without us learning its own; its refusal's text may say). Same wire code."""
+
+    def __init__(self, message: str, *, ours: int, theirs: int | None) -> None:
+        super().__init__(message)
+        self.ours = ours
+        self.theirs = theirs
+
+
+class NodeNameMismatch(PeerUnavailable):
+    """The daemon at a ``[[peers]]`` entry's address announced another node name (``found``)
+    than the entry's (``expected``). Same wire code as ``PeerUnavailable``."""
+
+    def __init__(self, message: str, *, expected: str, found: str) -> None:
+        super().__init__(message)
+        self.expected = expected
+        self.found = found
 
 
 def _peer_address(stream: trio.abc.Stream) -> str:
@@ -484,10 +507,11 @@ async def handshake_client(
                 raise _auth_failed(conn, "client", f"the peer refused us: {exc.message}", "", warn_) from None
             except VersionMismatch as exc:
                 warn_("peer.version_mismatch", remote=conn.remote_addr, side="client", error=exc.message)
-                raise
+                raise PeerVersionMismatch(exc.message, ours=version, theirs=None) from None
             if ch.version != version:
-                err = VersionMismatch(
-                    f"peer {ch.node!r} speaks peer protocol {ch.version}, we speak {version}"
+                err = PeerVersionMismatch(
+                    f"peer {ch.node!r} speaks peer protocol {ch.version}, we speak {version}",
+                    ours=version, theirs=ch.version,
                 )
                 warn_("peer.version_mismatch", remote=conn.remote_addr, side="client", error=err.message)
                 await _refuse(conn, err)
@@ -534,9 +558,10 @@ async def handshake_client(
             if welcome.node != ch.node:
                 raise ProtocolError(f"peer {ch.node!r} welcomed us as {welcome.node!r}")
             if expect_node is not None and ch.node != expect_node:
-                err_n = PeerUnavailable(
+                err_n = NodeNameMismatch(
                     f"expected peer {expect_node!r} at {conn.remote_addr}, found {ch.node!r}: if that daemon "
-                    f"is the one meant, set this [[peers]] name to {ch.node!r}; otherwise fix its host/port"
+                    f"is the one meant, set this [[peers]] name to {ch.node!r}; otherwise fix its host/port",
+                    expected=expect_node, found=ch.node,
                 )
                 await _refuse(conn, err_n)
                 raise err_n

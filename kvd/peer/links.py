@@ -26,7 +26,15 @@ import trio
 
 from kvd.ops.accept import accept_loop
 from kvd.ops.throttle import Throttle
-from kvd.peer import accept_peer, connect_with_backoff, load_secret, open_peer, run_heartbeats
+from kvd.peer import (
+    NodeNameMismatch,
+    PeerVersionMismatch,
+    accept_peer,
+    connect_with_backoff,
+    load_secret,
+    open_peer,
+    run_heartbeats,
+)
 from kvd.peer.attach import PeerWords, attach_peer_pools, attach_peer_words, retire_peer_words
 from kvd.peer.kept_agents import CONNECTION_FAILED, Forget, KeptAgents
 from kvd.peer.retry import Backoff
@@ -179,6 +187,9 @@ class PeerLinks:
         #: peer -> the error code of that failure (e.g. ``auth_failed``; absent: the TCP connect
         #: failed), which decides the advice of :meth:`down_hint`
         self.last_code: dict[str, str] = {}
+        #: peer -> that failure itself, when its advice needs more than the code (the versions of
+        #: a version mismatch, the names of a node-name mismatch)
+        self.last_failure: dict[str, KvdError] = {}
         #: peers whose link went down and has not come back: what ``kvctl peers`` shows for them
         #: (a lost incoming link would otherwise vanish from the list, an outgoing one say
         #: "last heard: never"); only peers that authenticated get here, so it stays small
@@ -238,7 +249,20 @@ class PeerLinks:
     def down_hint(self, node: str) -> str:
         """What an operator does about a link to ``node`` that is down (for error messages): it
         depends on why the last attempt failed. A peer that refused the handshake (or that we
-        refused) runs, at the configured address: the two daemons read different secrets."""
+        refused) runs, at the configured address: the two daemons read different secrets, run
+        incompatible kvd versions, or the daemon there has another node name than the entry's."""
+        failure = self.last_failure.get(node)
+        if isinstance(failure, PeerVersionMismatch):
+            theirs = (f"the peer speaks peer protocol {failure.theirs}" if failure.theirs is not None else
+                      "the peer refused that protocol (its refusal above, or its log, says which one it speaks)")
+            return (f"both daemons must run compatible kvd versions: this daemon runs kvd {self.version} (peer "
+                    f"protocol {failure.ours}), {theirs}; install the same kvd release on both nodes and restart "
+                    "the daemon that changed")
+        if isinstance(failure, NodeNameMismatch):
+            return (f"the daemon at that address announced the node name {failure.found!r}, but this daemon's "
+                    f"[[peers]] entry expects {failure.expected!r}: if it is the peer meant, rename the entry to "
+                    f"{failure.found!r} (and name that peer in requests) or set that daemon's node to "
+                    f"{failure.expected!r}; otherwise fix the entry's host/port")
         if self.last_code.get(node) == AuthFailed.code:
             return ("both daemons must read the same secret: the file each one's peer_secret_file names must "
                     f"hold identical bytes on both nodes (this daemon reads {self.config.peer_secret_file}); "
@@ -356,6 +380,7 @@ class PeerLinks:
         def tcp_failed(reason: str) -> None:  # the TCP connect itself (retried inside, 2 s at most)
             self.last_error[node] = reason
             self.last_code.pop(node, None)
+            self.last_failure.pop(node, None)
             self.attempts[node] = self.attempts.get(node, 0) + 1
 
         while True:
@@ -378,6 +403,7 @@ class PeerLinks:
             except KvdError as exc:
                 self.last_error[node] = str(exc)
                 self.last_code[node] = exc.code
+                self.last_failure[node] = exc
                 self.attempts[node] = self.attempts.get(node, 0) + 1
                 delay = backoff.failed()
                 failures.warning("peer.connect_failed", throttle_key=f"peer.connect_failed|{exc}", node=node,
@@ -477,6 +503,7 @@ class PeerLinks:
         self.seen.add(node)
         self.last_error.pop(node, None)
         self.last_code.pop(node, None)
+        self.last_failure.pop(node, None)
         self.lost.pop(node, None)
         self._changed.set()
         self._changed = trio.Event()
