@@ -49,7 +49,7 @@ def _serve(args: argparse.Namespace) -> int:
     except (Exception, BaseExceptionGroup) as exc:
         if isinstance(exc, BaseExceptionGroup) and exc.subgroup(KeyboardInterrupt) is not None:
             return 130
-        return _report(explain(exc), stage="running" if ready else "startup", cause=exc)
+        return _report(explain(exc), stage="running" if ready else "startup", cause=exc, no_config=args.config is None)
     return 0
 
 
@@ -100,19 +100,29 @@ def _configure_logging_from_env() -> None:
         configure_logging("auto", "info")
 
 
-def _report(error: StartupError, *, stage: str, cause: BaseException | None = None) -> int:
-    """One structured log line and one stderr line; returns the exit status."""
+def _report(error: StartupError, *, stage: str, cause: BaseException | None = None, no_config: bool = False) -> int:
+    """One structured log line and one stderr line; returns the exit status.
+
+    ``no_config``: ``kvd serve`` ran without a configuration file (no ``--config``, no
+    ``KVD_CONFIG``), so a setting the error names that no variable set is a built-in default."""
     import structlog
 
     from kvd.config import env_sources
 
     message = error.message
-    for key, source in env_sources(error.setting, error.message):
+    sources = env_sources(error.setting, error.message)
+    for key, source in sources:
         if source not in message:
             # e.g. KVD_SOCKET exported for a client gives every daemon started from that shell
             # one socket: "another kvd is already serving on it", with the file saying otherwise
             message += (f"; {key} came from the environment ({source}), which overrides the configuration "
                         "file: unset it to use the file's value")
+    if no_config and error.setting and error.setting not in {key for key, _source in sources}:
+        # `kvd serve` typed without --config: "/run/kvd does not exist" alone reads as a broken
+        # install, not as the default of a file that was never given
+        message += (f"; kvd serve was given no configuration file (--config FILE, or KVD_CONFIG), so "
+                    f"{error.setting} is the built-in default: give it your configuration file (systemd/kvd.toml "
+                    "is an example)")
     log = structlog.get_logger("kvd.server")
     fields = {"reason": message, "setting": error.setting or None, "code": error.code,
               "exc_info": cause if error.internal else None}
