@@ -230,7 +230,7 @@ async def serve(
     task_status: trio.TaskStatus[Daemon] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run the daemon until it is asked to stop."""
-    from kvd.pool import create_pools
+    from kvd.pool import PoolSettingError, create_pools
     from kvd.transfer.engine import Engine
 
     env = os.environ if env is None else env
@@ -244,7 +244,10 @@ async def serve(
     ready = stopped = False
     try:
         notifier.status("starting: creating pools")
-        pools = await trio.to_thread.run_sync(partial(create_pools, config.pools, env))
+        try:
+            pools = await trio.to_thread.run_sync(partial(create_pools, config.pools, env))
+        except PoolSettingError as exc:  # exit 78: systemd must not restart into the same refusal
+            raise StartupError(exc.message, setting=exc.setting, exit_code=EX_CONFIG) from None
         metrics = Metrics()
         daemon = Daemon(config, pools, AccessPolicy.from_config(config.access), metrics)
         async with trio.open_nursery() as root:

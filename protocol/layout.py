@@ -116,6 +116,12 @@ class KVLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             )
         if not 0 <= self.num_blocks <= MAX_NUM_BLOCKS:
             raise BadRequest(f"KVLayout.num_blocks must be in [0, {MAX_NUM_BLOCKS}], got {self.num_blocks}")
+        if not isinstance(self.dtype, str):
+            # torch.bfloat16 and the like: the protocol carries the name, not the object
+            name = str(self.dtype).removeprefix("torch.")
+            hint = f" (here {name!r})" if name in DTYPE_SIZES else ""
+            raise BadRequest(f"KVLayout.dtype must be a dtype's name, one of {sorted(DTYPE_SIZES)}{hint}, "
+                             f"not {type(self.dtype).__name__} {self.dtype!r}")
         if self.dtype not in DTYPE_SIZES:
             raise BadRequest(f"KVLayout.dtype {self.dtype!r} is not one of {sorted(DTYPE_SIZES)}")
         if sorted(self.axis_order) != sorted(AXES) or len(self.axis_order) != len(AXES):

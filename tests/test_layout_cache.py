@@ -8,6 +8,7 @@ from collections.abc import Iterator
 
 import msgspec
 import pytest
+import torch
 
 import protocol.layout as layout_mod
 from kvd.config import PoolConfig
@@ -127,3 +128,14 @@ def test_a_layout_that_cannot_be_hashed_is_checked_without_the_cache() -> None:
         req.check_pool_matches(pool, listed, 0)
     assert req._MATCHED == {}
     pool.close()
+
+
+def test_a_torch_dtype_is_refused_naming_the_string_to_give() -> None:
+    """``dtype=torch.bfloat16`` (an easy slip in an executor) is refused with the name to pass
+    instead; the protocol carries dtype names, not torch objects."""
+    with pytest.raises(BadRequest, match=r"dtype must be a dtype's name, one of \[.*\] \(here 'bfloat16'\), "
+                                         r"not dtype torch\.bfloat16"):
+        KVLayout(**{**GEOMETRY, "dtype": torch.bfloat16})  # type: ignore[arg-type]
+    with pytest.raises(BadRequest, match=r"not int 3$"):
+        KVLayout(**{**GEOMETRY, "dtype": 3})  # type: ignore[arg-type]
+    assert layout_mod._VALID == {}

@@ -342,8 +342,15 @@ def test_explain_prefers_the_startup_error_inside_a_group() -> None:
 
 
 def test_pool_that_cannot_be_created(short_tmp: Path) -> None:
-    """GPU 99 exists nowhere (and a CPU machine has no CUDA driver at all)."""
+    """GPU 99 exists nowhere, and this CPU machine has no CUDA driver at all: the configuration
+    must change (exit 78, so systemd does not restart into the same refusal); the line names
+    the pool's setting and what to set, without the driver message's own full stop doubled."""
     cfg = base_config(short_tmp, pools=[host_pool("gpu99", memory="device", device=99, num_blocks=4)])
     run = serve(write_config(short_tmp, "kvd", cfg))
-    check_failure(run, exit_code=1, setting=None, contains=["pool 'gpu99': cannot create device memory on GPU 99"])
+    line = check_failure(run, exit_code=EX_CONFIG, setting="pools[0].memory",
+                         contains=["pools[0].memory / pools[0].device: pool 'gpu99': cannot create device memory "
+                                   "on GPU 99",
+                                   'this machine has no CUDA driver: set pools[0].memory = "host" and '
+                                   "pools[0].device = -1"])
+    assert ".;" not in line
     assert not (short_tmp / "kvd.sock").exists()  # the socket bound first is released again

@@ -23,7 +23,7 @@ from kvd.pool.policy import (
     decide,
     env_fabric_setting,
 )
-from kvd.pool.pool import Pool, create_pools
+from kvd.pool.pool import Pool, PoolSettingError, create_pools
 from kvd.pool.posix_fd import PosixFdMemory
 
 __all__ = [
@@ -42,6 +42,7 @@ __all__ = [
     "Note",
     "Pool",
     "PoolMemory",
+    "PoolSettingError",
     "PosixFdMemory",
     "choose_and_create",
     "create_memory",

@@ -177,6 +177,18 @@ def _located(exc: PoolError, index: int, cfg: PoolConfig) -> PoolError:
     at = f"pools[{index}]"
     todo = (f"{at}.device must name a GPU this machine has; for a pool in host memory set "
             f'memory = "host" and device = -1')
+    what = exc.message.rstrip(". ")
     if "no CUDA driver" in exc.message:
-        todo = f'this machine has no CUDA driver: set {at}.memory = "host" and {at}.device = -1 (a host-memory pool)'
-    return PoolError(f"{at}.memory / {at}.device: {exc.message}; {todo}")
+        # not something a restart fixes: the configuration (or the machine) must change first
+        return PoolSettingError(f"{at}.memory / {at}.device: {what}; this machine has no CUDA driver: set "
+                                f'{at}.memory = "host" and {at}.device = -1 (a host-memory pool)', f"{at}.memory")
+    return PoolError(f"{at}.memory / {at}.device: {what}; {todo}")
+
+
+class PoolSettingError(PoolError):
+    """A pool the configuration asks for that this machine cannot have as configured (a GPU
+    pool with no CUDA driver): ``setting`` names the key to change; restarting cannot help."""
+
+    def __init__(self, message: str, setting: str) -> None:
+        super().__init__(message)
+        self.setting = setting
