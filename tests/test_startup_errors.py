@@ -195,6 +195,21 @@ def test_socket_directory_missing(short_tmp: Path) -> None:
                   contains=[f"socket directory {short_tmp / 'no-such-dir'} does not exist", "KVD_SOCKET"])
 
 
+@pytest.mark.skipif(os.path.isdir("/run/kvd"), reason="/run/kvd exists here: the built-in defaults could start a daemon")
+def test_no_configuration_file_says_the_setting_is_a_built_in_default(short_tmp: Path) -> None:
+    """``kvd serve`` typed with no --config and no KVD_CONFIG: the default socket directory
+    does not exist, and the line says that no configuration was given (not a broken install);
+    a setting that came from a variable names the variable instead."""
+    run = serve(None)
+    check_failure(run, exit_code=EX_CONFIG, setting="socket_path",
+                  contains=["socket directory /run/kvd does not exist",
+                            "kvd serve was given no configuration file (--config FILE, or KVD_CONFIG), so socket_path "
+                            "is the built-in default"])
+    run = serve(None, env={"KVD_SOCKET": str(short_tmp / "no-such-dir" / "kvd.sock")})
+    line = check_failure(run, exit_code=EX_CONFIG, setting="socket_path", contains=["KVD_SOCKET"])
+    assert "built-in default" not in line
+
+
 # --- the configuration ---------------------------------------------------------------------------
 
 
