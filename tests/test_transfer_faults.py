@@ -221,6 +221,58 @@ async def test_publish_to_a_peer_entry_naming_another_node_says_which_names(
     await assert_clean(ctx, gen)
 
 
+async def test_publish_to_a_peer_with_our_own_node_name_says_to_rename_one(
+        daemon_factory: Factory, short_tmp: Path) -> None:
+    """The daemon at ctx's [[peers]] address was configured with ctx's own node name (two
+    configurations copied from one): the advice says so and what to set, not "start the peer
+    daemon" (it runs)."""
+    from tests.transfer_harness import pools_for
+
+    secret = write_secret(short_tmp)
+    gen = daemon_factory({"pools": pools_for("gen", GEN, 16), "peer_secret_file": secret, "node": "ctx"}, name="gen")
+    ctx = daemon_factory({"pools": pools_for("ctx", CTX, 16), "peer_secret_file": secret,
+                          "peers": [{"name": "gen", "host": "127.0.0.1", "port": gen.peer_port}]}, name="ctx")
+    res = await _publish_after_refusal(ctx, "r-own-name", "gen")
+    assert isinstance(res, PeerUnavailable), res
+    assert "has our own node name 'ctx'" in res.message, res.message
+    assert res.message.endswith(f"; the daemon at 127.0.0.1:{gen.peer_port} announced this daemon's own node name "
+                                "'ctx': every daemon needs a node name of its own (two configurations copied from "
+                                "one?): set node (KVD_NODE) in one of them and restart that daemon"), res.message
+    assert "start the peer daemon" not in res.message
+    await assert_clean(ctx, gen)
+
+
+async def test_publish_to_an_address_that_never_completes_the_handshake_says_what_to_check(
+        daemon_factory: Factory, short_tmp: Path) -> None:
+    """Something at ctx's [[peers]] address accepts the connection and says nothing (another
+    service, or a stalled daemon): after ``[limits] handshake_timeout_s`` (which the dialler
+    now honours as the listener does) the advice names the address and what to check."""
+    from tests.transfer_harness import pools_for
+
+    async def silent(stream: trio.SocketStream) -> None:  # reads until closed, answers nothing
+        with trio.move_on_after(30):
+            while await stream.receive_some():
+                pass
+        await stream.aclose()
+
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(partial(trio.serve_tcp, silent, 0, host="127.0.0.1"))
+        port = listeners[0].socket.getsockname()[1]
+        ctx = daemon_factory({"pools": pools_for("ctx", CTX, 16), "peer_secret_file": write_secret(short_tmp),
+                              "limits": {"handshake_timeout_s": 0.5},
+                              "peers": [{"name": "gen", "host": "127.0.0.1", "port": port}]}, name="ctx")
+        res = await _publish_after_refusal(ctx, "r-silent", "gen")
+        nursery.cancel_scope.cancel()
+    assert isinstance(res, PeerUnavailable), res
+    assert "did not complete the handshake within 0.5 s" in res.message, res.message
+    assert res.message.endswith(f"; something at 127.0.0.1:{port} accepted the connection but did not complete the "
+                                "peer handshake within 0.5 s: check that this is the peer daemon's peer_port (not "
+                                "another service's) and that the daemon there is not stalled (kvctl status on that "
+                                "node)"), res.message
+    assert "start the peer daemon" not in res.message
+    await assert_clean(ctx)
+
+
 @pytest.mark.parametrize("reply", ["challenge", "refusal"])
 async def test_publish_to_a_peer_of_another_protocol_version_says_to_align_versions(
         daemon_factory: Factory, short_tmp: Path, reply: str) -> None:

@@ -13,7 +13,9 @@ from kvd.peer.auth import (
 )
 from kvd.peer.link import (
     DEFAULT_HANDSHAKE_TIMEOUT,
+    HandshakeTimeout,
     NodeNameMismatch,
+    OwnNodeName,
     PeerConnection,
     PeerVersionMismatch,
     accept_peer,
@@ -28,7 +30,9 @@ from kvd.peer.link import (
 __all__ = [
     "DEFAULT_HANDSHAKE_TIMEOUT",
     "MIN_SECRET_BYTES",
+    "HandshakeTimeout",
     "NodeNameMismatch",
+    "OwnNodeName",
     "PeerConnection",
     "PeerVersionMismatch",
     "accept_peer",

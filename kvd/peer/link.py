@@ -99,6 +99,25 @@ class NodeNameMismatch(PeerUnavailable):
         self.found = found
 
 
+class OwnNodeName(BadRequest):
+    """The daemon at the other end announced this daemon's own node name (``node``): two
+    daemons configured alike. Same wire code as ``BadRequest``."""
+
+    def __init__(self, message: str, *, node: str) -> None:
+        super().__init__(message)
+        self.node = node
+
+
+class HandshakeTimeout(PeerUnavailable):
+    """The other end accepted the connection but did not complete the peer handshake within
+    ``timeout_s``: not a kvd peer port, or a daemon that is stalled. Same wire code as
+    ``PeerUnavailable``."""
+
+    def __init__(self, message: str, *, timeout_s: float) -> None:
+        super().__init__(message)
+        self.timeout_s = timeout_s
+
+
 def _peer_address(stream: trio.abc.Stream) -> str:
     sock = getattr(stream, "socket", None)
     if sock is None:
@@ -462,7 +481,7 @@ def _check_node_name(conn: PeerConnection, theirs: str, ours: str) -> BadRequest
     if not theirs:
         return BadRequest(f"the peer at {conn.remote_addr} gave an empty node name; every daemon needs a node name")
     if theirs == ours:
-        return BadRequest(f"the peer at {conn.remote_addr} has our own node name {ours!r}")
+        return OwnNodeName(f"the peer at {conn.remote_addr} has our own node name {ours!r}", node=ours)
     return None
 
 
@@ -508,6 +527,12 @@ async def handshake_client(
             except VersionMismatch as exc:
                 warn_("peer.version_mismatch", remote=conn.remote_addr, side="client", error=exc.message)
                 raise PeerVersionMismatch(exc.message, ours=version, theirs=None) from None
+            except BadRequest as exc:
+                # the listener checks names first: it refused ours as its own. It speaks our
+                # protocol version (it checked that before), so it words it as _check_node_name
+                if exc.message.endswith(f"has our own node name {node!r}"):
+                    raise OwnNodeName(f"{exc.message} (the same as this daemon's)", node=node) from None
+                raise
             if ch.version != version:
                 err = PeerVersionMismatch(
                     f"peer {ch.node!r} speaks peer protocol {ch.version}, we speak {version}",
@@ -567,8 +592,8 @@ async def handshake_client(
                 raise err_n
             await conn.send(msgspec.structs.replace(local_welcome_payload, node=node))
     except trio.TooSlowError:
-        raise PeerUnavailable(
-            f"{conn.describe()} did not complete the handshake within {timeout} s"
+        raise HandshakeTimeout(
+            f"{conn.describe()} did not complete the handshake within {timeout} s", timeout_s=timeout
         ) from None
     finally:
         conn.max_frame_size = full
@@ -646,8 +671,8 @@ async def handshake_server(
             if welcome.node != hello.node:
                 raise ProtocolError(f"peer {hello.node!r} sent a welcome for {welcome.node!r}")
     except trio.TooSlowError:
-        raise PeerUnavailable(
-            f"{conn.describe()} did not complete the handshake within {timeout} s"
+        raise HandshakeTimeout(
+            f"{conn.describe()} did not complete the handshake within {timeout} s", timeout_s=timeout
         ) from None
     finally:
         conn.max_frame_size = full

@@ -27,7 +27,9 @@ import trio
 from kvd.ops.accept import accept_loop
 from kvd.ops.throttle import Throttle
 from kvd.peer import (
+    HandshakeTimeout,
     NodeNameMismatch,
+    OwnNodeName,
     PeerVersionMismatch,
     accept_peer,
     connect_with_backoff,
@@ -250,7 +252,9 @@ class PeerLinks:
         """What an operator does about a link to ``node`` that is down (for error messages): it
         depends on why the last attempt failed. A peer that refused the handshake (or that we
         refused) runs, at the configured address: the two daemons read different secrets, run
-        incompatible kvd versions, or the daemon there has another node name than the entry's."""
+        incompatible kvd versions, or the daemon there has another node name than the entry's,
+        or this daemon's own. One that accepted but never completed the handshake is not a kvd
+        peer port, or a stalled daemon."""
         failure = self.last_failure.get(node)
         if isinstance(failure, PeerVersionMismatch):
             theirs = (f"the peer speaks peer protocol {failure.theirs}" if failure.theirs is not None else
@@ -263,6 +267,16 @@ class PeerLinks:
                     f"[[peers]] entry expects {failure.expected!r}: if it is the peer meant, rename the entry to "
                     f"{failure.found!r} (and name that peer in requests) or set that daemon's node to "
                     f"{failure.expected!r}; otherwise fix the entry's host/port")
+        address = next((f"{p.host}:{p.port}" for p in self.config.peers if p.name == node), "")
+        if isinstance(failure, OwnNodeName):
+            return (f"the daemon at {address or 'the peer address'} announced this daemon's own node name "
+                    f"{failure.node!r}: every daemon needs a node name of its own (two configurations copied from "
+                    "one?): set node (KVD_NODE) in one of them and restart that daemon")
+        if isinstance(failure, HandshakeTimeout):
+            return (f"something at {address or 'the peer address'} accepted the connection but did not complete "
+                    f"the peer handshake within {failure.timeout_s:g} s: check that this is the peer daemon's "
+                    "peer_port (not another service's) and that the daemon there is not stalled (kvctl status on "
+                    "that node)")
         if self.last_code.get(node) == AuthFailed.code:
             return ("both daemons must read the same secret: the file each one's peer_secret_file names must "
                     f"hold identical bytes on both nodes (this daemon reads {self.config.peer_secret_file}); "
@@ -399,7 +413,7 @@ class PeerLinks:
             try:
                 conn = await open_peer(stream, node=self.config.node, secret=self.secret, welcome=self.welcome(),
                                        expect_node=node, max_frame_size=self.config.limits.max_frame_size,
-                                       warn=warn)
+                                       handshake_timeout=self.config.limits.handshake_timeout_s, warn=warn)
             except KvdError as exc:
                 self.last_error[node] = str(exc)
                 self.last_code[node] = exc.code
