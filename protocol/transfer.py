@@ -189,6 +189,11 @@ class XferFail(XferMessage, frozen=True, tag="xfer_fail"):
     # it at all; seconds left of its deadline: the receiver keeps the failure that long for its
     # ranks that register later. 0: the receiver knows the request (or an older daemon sent it)
     deadline_s: TimeoutS = 0.0
+    # gen's notice: its request's number on the gen daemon (Transfer.ref); ctx's answer to such
+    # a notice (ctx had ended, or knows no such request) names it again, so that gen takes the
+    # answer only for that request, not for a new one of the same id registered meanwhile.
+    # 0: neither (any other notice, or an older daemon)
+    ref: Token = 0
 
 
 #: ``chunking`` of a receiver that cuts every (ctx rank, gen rank) pair's byte stream (its

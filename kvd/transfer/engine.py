@@ -714,6 +714,11 @@ class Engine:
         """Route one transfer-control message from ``link`` into its transfer's inbox."""
         rid = msg.request_id
         t = self.transfers.get((link.node, rid))
+        if isinstance(msg, x.XferFail) and msg.sender == "ctx" and msg.ref and (t is None or t.ref != msg.ref):
+            # ctx's answer to the failure notice of an earlier request of this id, which ended
+            # here meanwhile (its data-done message crossed the notice): not about this one
+            log.debug("transfer.stale_answer", peer=link.node, request_id=rid, code=msg.code)
+            return
         ctx_unheard = isinstance(msg, x.XferFail) and msg.sender == "ctx" and msg.deadline_s > 0
         if t is None and (ctx_unheard or isinstance(msg, x.XferOffer | x.XferPath)):
             # a gen side that ended here without naming its peer (remembered until its deadline)
@@ -731,7 +736,7 @@ class Engine:
                 else:
                     code, message = PeerUnavailable.code, "the ctx side had already finished sending"
                 await self._tell(link, x.XferFail(request_id=rid, code=code, message=message, writes_stopped=True,
-                                                  sender="ctx"))
+                                                  sender="ctx", ref=msg.ref))
         if t is not None and t.finished.is_set() and isinstance(msg, x.XferOffer | x.XferAnnounce | x.XferPath):
             sender = "ctx" if isinstance(msg, x.XferAnnounce) else "gen"
             mine = t.machine.side(f.Role(sender))
@@ -763,7 +768,7 @@ class Engine:
                 t = await self._start_unclaimed(link, rid, f.Role.CTX)
             elif isinstance(msg, x.XferFail) and msg.sender == "gen":
                 # gen waits for our word that no write of ours can land: none ever will
-                await self._refuse(link, rid, "ctx", NotFound(f"no request {rid!r} here"))
+                await self._refuse(link, rid, "ctx", NotFound(f"no request {rid!r} here"), ref=msg.ref)
                 return
             else:
                 log.debug("transfer.unknown_request", peer=link.node, request_id=rid, type=type(msg).__name__)
@@ -803,9 +808,9 @@ class Engine:
         else:
             del self._unclaimed_count[node]
 
-    async def _refuse(self, link: PeerLink, rid: str, sender: str, exc: KvdError) -> None:
+    async def _refuse(self, link: PeerLink, rid: str, sender: str, exc: KvdError, ref: int = 0) -> None:
         await self._tell(link, x.XferFail(request_id=rid, code=exc.code, message=exc.message,
-                                          writes_stopped=True, sender=sender))
+                                          writes_stopped=True, sender=sender, ref=ref))
 
     @staticmethod
     async def _tell(link: PeerLink, msg: x.XferFail) -> None:

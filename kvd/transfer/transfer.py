@@ -23,6 +23,7 @@ left. A task per request cost ~80 us (profiled) to create and ~45 us of schedule
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import time
 from collections.abc import Awaitable, Callable
@@ -160,6 +161,9 @@ _RECEIVING_STATES = frozenset({f.State.DEST_OUT, f.State.RECEIVING})
 #: ctx states, seen from gen, in which ctx's GPU may have stored gen's token (offered: ctx published
 #: first, and its kernel ran before its path message was read here)
 _UNLANDED = frozenset({f.State.IDLE, f.State.OFFERED, f.State.SENDING})
+#: Numbers the requests of this daemon (``Transfer.ref``): gen's failure notice names its
+#: request's, and ctx's answer to the notice names it again (``XferFail.ref``)
+_refs = itertools.count(1)
 
 
 @dataclass
@@ -257,6 +261,10 @@ class Transfer:
         self.created = time.monotonic()
         self.finished = trio.Event()
         self.forgetting = False  # the engine drops it soon
+        #: this request among every one of this daemon, ids reused included: gen's failure
+        #: notice names it, so an answer to the notice of an earlier request of the same id
+        #: is not taken for this one's (see Engine.deliver)
+        self.ref = next(_refs)
         # the actor's inbox, the bounce path's notified chunks and the receive slots gen
         # granted (in order), each opened when first read (see LazyChannel): a request
         # handled in its callers' steps never queues, and the mapped, direct and local paths
@@ -811,7 +819,8 @@ class Transfer:
             # how long to keep the failure for its ranks (at least a moment: 0 means "known")
             left = min(max(self.machine.deadline - trio.current_time(), 1e-3), MAX_DEADLINE_S) if a.unheard else 0.0
             return x.XferFail(request_id=rid, code=a.code, message=a.message,
-                              writes_stopped=a.writes_stopped, sender=sender, deadline_s=left)
+                              writes_stopped=a.writes_stopped, sender=sender, deadline_s=left,
+                              ref=self.ref if sender == "gen" else 0)
         raise InternalError(f"unexpected action {a!r}")
 
     def _landed_event(self) -> x.LandedEvent | None:
