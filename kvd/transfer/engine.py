@@ -518,7 +518,7 @@ class Engine:
         rid = msg.request_id
         t = self._by_session.get(session.id, {}).get(rid)
         if t is not None:
-            roles = [r for r, s in t.sides.items() if session.id in s.sessions()]
+            targets = [(t, [r for r, s in t.sides.items() if session.id in s.sessions()])]
         else:
             found = [t2 for (_p, r), t2 in self.transfers.items() if r == rid]
             if not found:
@@ -531,10 +531,13 @@ class Engine:
                                        "the registering session, or an operator with force, may cancel it")
             if not session.operator:  # root, the daemon's uid, or [access] operator_gids
                 raise PermissionDenied(f"uid {session.uid} is not an operator")
-            t = found[0]
-            roles = list(t.sides)
-        for role in roles:
-            t.feed(f.Cancel(role, f"request {rid!r} cancelled by " + ("an operator" if msg.force else "client")))
+            # the live requests of the id (one per peer pair at most), not one that ended and is
+            # only held until its executors collect it: a cancel changes nothing there
+            targets = [(t2, list(t2.sides)) for t2 in found if not t2.finished.is_set()]
+        reason = f"request {rid!r} cancelled by " + ("an operator" if msg.force else "client")
+        for target, roles in targets:
+            for role in roles:
+                target.feed(f.Cancel(role, reason))
 
     def _settle_holders(self, held: dict[int, Transfer], block_ids: list[int]) -> None:
         """The unfinished requests holding some of ``block_ids`` that are done in truth (their
