@@ -37,7 +37,19 @@ async def test_operator_cancel_reaches_the_live_request_of_the_id(daemon_factory
         await _cancel_by_operator(d)
 
 
-async def _cancel_by_operator(d: DaemonProcess) -> None:
+async def test_operator_cancel_looks_past_its_own_ended_request_of_the_id(
+        daemon_factory: Factory, short_tmp: Path) -> None:
+    """The operator's session itself registered the ended request of the id (and never waited
+    for it): its forced cancel still reaches the live one (it used to stop at its own)."""
+    with socket.socket() as down:
+        down.bind(("127.0.0.1", 0))
+        d = daemon_factory({"pools": [host_pool("ctx0"), host_pool("gen0")],
+                            "peer_secret_file": write_secret(short_tmp),
+                            "peers": [{"name": "far", "host": "127.0.0.1", "port": down.getsockname()[1]}]})
+        await _cancel_by_operator(d, by_local=True)
+
+
+async def _cancel_by_operator(d: DaemonProcess, *, by_local: bool = False) -> None:
     async with open_client(d.socket_path, client="local") as a, open_client(d.socket_path, client="to-far") as b, \
             open_client(d.socket_path, client="operator") as op:
         # R between this daemon's own pools: done, and its executor never waits for it
@@ -50,7 +62,7 @@ async def _cancel_by_operator(d: DaemonProcess) -> None:
         # R to the peer 'far' (down): live until its deadline
         await b.publish(RID, "ctx0", ONE, 0, await b.alloc("ctx0", 2), peer="far", deadline_s=120)
 
-        await op.cancel(RID, force=True)  # same uid as the daemon: an operator
+        await (a if by_local else op).cancel(RID, force=True)  # same uid as the daemon: an operator
         with trio.fail_after(30), pytest.raises(TransferCancelled, match="operator"):
             await b.wait(RID)
         assert (await a.wait(RID)).ok  # the ended one is left as it ended

@@ -517,13 +517,15 @@ class Engine:
         """Cancel the request: the registering session's sides, or every side with ``force``."""
         rid = msg.request_id
         t = self._by_session.get(session.id, {}).get(rid)
-        if t is not None:
+        if t is not None and not (msg.force and session.operator and t.finished.is_set()):
             targets = [(t, [r for r, s in t.sides.items() if session.id in s.sessions()])]
         else:
+            # (an operator's forced cancel looks past its own request of the id that ended)
             found = [t2 for (_p, r), t2 in self.transfers.items() if r == rid]
             if not found:
                 raise NotFound(f"no request {rid!r}")
-            if any(p.session is session for t2 in found for side in t2.sides.values() for p in side.parts.values()):
+            if t is None and any(p.session is session for t2 in found for side in t2.sides.values()
+                                 for p in side.parts.values()):
                 return  # this session's request, already ended and collected: nothing to cancel
             if not msg.force:
                 raise PermissionDenied(f"request {rid!r} is not registered by this session (another session "
