@@ -1374,6 +1374,11 @@ class Transfer:
 
     async def _receive_task(self) -> None:
         async def body() -> None:
+            # the side can fail or be cancelled between ctx's path message and this task's
+            # first step: the abort then counted the chunks notified meanwhile as never to be
+            # scattered (no task to cancel yet), so none of them may be scattered now
+            if self.machine.state(f.Role.GEN) is not f.State.RECEIVING:
+                return
             side = self.sides[f.Role.GEN]
             p = await self._get_plan()
             staging = self.env.staging()
