@@ -93,6 +93,11 @@ class XferOffer(XferMessage, frozen=True, tag="xfer_offer"):
     layout: KVLayout
     blocks: RankBlocks
     deadline_s: TimeoutS  # seconds left on the ctx side when sent (finite, >= 0)
+    # the sender's number for this request (its Transfer.ref, unique in its daemon while it
+    # runs, ids reused or not): the other side names it in this request's NIXL notifications
+    # to the sender, which drops one naming another (a late one of an earlier request of the
+    # same id). 0: an older daemon (then notifications are matched by request id alone)
+    ref: Token = 0
 
 
 class XferAccept(XferMessage, frozen=True, tag="xfer_accept"):
@@ -108,6 +113,7 @@ class XferAccept(XferMessage, frozen=True, tag="xfer_accept"):
     # after its kernel, and gen's spinning executors are done (-1: no slot)
     word: Word = -1
     token: Token = 0
+    ref: Token = 0  # as XferOffer.ref
 
 
 class XferAnnounce(XferMessage, frozen=True, tag="xfer_announce"):
@@ -122,6 +128,7 @@ class XferAnnounce(XferMessage, frozen=True, tag="xfer_announce"):
     chunking: Name = ""  # as XferAccept.chunking
     word: Word = -1  # as XferAccept.word
     token: Token = 0
+    ref: Token = 0  # as XferOffer.ref
 
 
 class XferGrant(XferMessage, frozen=True, tag="xfer_grant"):
@@ -168,6 +175,7 @@ class XferPath(XferMessage, frozen=True, tag="xfer_path"):
     credits: Name = ""
     # mapped: the event that completes when every byte is in gen's blocks (None: wait for XferDone)
     landed: LandedEvent | None = None
+    ref: Token = 0  # as XferOffer.ref
 
 
 class XferDone(XferMessage, frozen=True, tag="xfer_done"):
@@ -194,6 +202,10 @@ class XferFail(XferMessage, frozen=True, tag="xfer_fail"):
     # answer only for that request, not for a new one of the same id registered meanwhile.
     # 0: neither (any other notice, or an older daemon)
     ref: Token = 0
+    # the receiver's number for the request as the sender knows it (from its offer, accept,
+    # announce or path message): the receiver drops a notice naming another of its requests
+    # (an earlier one of this id). 0: the sender never heard of it (or an older daemon)
+    peer_ref: Token = 0
 
 
 #: ``chunking`` of a receiver that cuts every (ctx rank, gen rank) pair's byte stream (its
@@ -212,6 +224,9 @@ class Notif(msgspec.Struct, frozen=True, array_like=True):
     request_id: RequestId
     seq: Count
     slot: Annotated[int, msgspec.Meta(ge=-1, lt=MAX_SLOTS)]  # receive slot for bounce writes, -1 straight into the blocks
+    # the receiver's number for the request (its XferAccept/XferAnnounce.ref; 0: not known).
+    # Last, with a default: an older daemon's decoder ignores it, and its notifications lack it
+    ref: Token = 0
 
 
 #: Receive slots one :class:`Credit` carries at most.
@@ -225,6 +240,7 @@ class Credit(msgspec.Struct, frozen=True, array_like=True, tag="credit"):
 
     request_id: RequestId
     slots: Annotated[list[Slot], msgspec.Meta(min_length=1, max_length=MAX_CREDITS)]
+    ref: Token = 0  # the receiver's (ctx's) number for the request (XferOffer/XferPath.ref; 0: not known)
 
 
 _notif_encoder = msgspec.msgpack.Encoder()

@@ -724,6 +724,12 @@ class Engine:
             # here meanwhile (its data-done message crossed the notice): not about this one
             log.debug("transfer.stale_answer", peer=link.node, request_id=rid, code=msg.code)
             return
+        if isinstance(msg, x.XferFail) and msg.peer_ref and t is not None and t.ref != msg.peer_ref:
+            # the peer's failure notice about an earlier request of this id, which ended here
+            # (e.g. gen's cancel crossed ctx's data-done message, and ctx's executor published
+            # the id again before the notice was read): it names that request's number
+            log.debug("transfer.stale_notice", peer=link.node, request_id=rid, code=msg.code)
+            return
         ctx_unheard = isinstance(msg, x.XferFail) and msg.sender == "ctx" and msg.deadline_s > 0
         if t is None and (ctx_unheard or isinstance(msg, x.XferOffer | x.XferPath)):
             # a gen side that ended here without naming its peer (remembered until its deadline)
@@ -844,6 +850,11 @@ class Engine:
         node = self.links.node_of_agent(remote)
         t = self.transfers.get((node, n.request_id)) if node else None
         if t is not None and not t.finished.is_set():
+            if n.ref and n.ref != t.ref:
+                # a late notification of an earlier request of this id (a write's, or a credit,
+                # still queued in NIXL when that request ended here): not this one's
+                log.debug("transfer.stale_notification", peer=node, request_id=n.request_id, ref=n.ref)
+                return
             t.post(n)
 
 

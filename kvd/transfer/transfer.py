@@ -185,6 +185,9 @@ class _Remote:
     landed: x.LandedEvent | None = None  # ctx's landed event (mapped path), from its path message
     word: int = -1  # gen's completion slot and token (mapped path: our GPU stores the token)
     token: int = 0
+    # the peer's number for this request (its Transfer.ref: x.XferOffer.ref), named in the NIXL
+    # notifications we send it for this request; 0: not known yet, or an older daemon
+    ref: int = 0
     # ``blocks`` validated against ``layout`` when the destination arrived (before the request
     # completed here): the planner then skips that work. None: not checked (the planner does).
     checked: CheckedBlocks | None = None
@@ -639,13 +642,14 @@ class Transfer:
         r = self.remote
         if isinstance(msg, x.XferOffer):
             r.set_side(msg.layout, dict(msg.blocks))
+            r.ref = msg.ref
             self.feed(f.OfferReceived(f.Role.CTX, deadline=self._deadline(msg.deadline_s), deadline_s=msg.deadline_s))
         elif isinstance(msg, x.XferAccept | x.XferAnnounce):
             announced = isinstance(msg, x.XferAnnounce)
             r.set_side(msg.layout, dict(msg.blocks), check=announced)
             r.pools, r.pool_names = dict(msg.pools), dict(msg.pool_names)
             r.chunking = msg.chunking
-            r.word, r.token = msg.word, msg.token
+            r.word, r.token, r.ref = msg.word, msg.token, msg.ref
             if not announced:
                 self.round_trips += 1
             deadline_s = msg.deadline_s if isinstance(msg, x.XferAnnounce) else 0.0
@@ -659,6 +663,7 @@ class Transfer:
             if msg.layout is not None:
                 r.set_side(msg.layout, dict(msg.blocks))
             r.chunk_bytes, r.credits = msg.chunk_bytes, msg.credits
+            r.ref = msg.ref or r.ref
             r.landed = msg.landed if path is f.Path.MAPPED else None
             self.feed(f.PathReceived(f.Role.CTX, path))
         elif isinstance(msg, x.XferGrant):
@@ -788,7 +793,7 @@ class Transfer:
             side = self.sides[f.Role.CTX]
             self.round_trips += 0  # counted when the accept arrives
             return x.XferOffer(request_id=rid, layout=side.layout, blocks=side.blocks_by_rank(),
-                               deadline_s=max(0.0, self.machine.deadline - trio.current_time()))
+                               deadline_s=max(0.0, self.machine.deadline - trio.current_time()), ref=self.ref)
         if isinstance(a, f.SendDestination):
             side = self.sides[f.Role.GEN]
             regions = {r: x.RemoteRegion(addr=p.pool.ptr, nbytes=p.pool.nbytes, device=p.pool.device)
@@ -799,17 +804,17 @@ class Transfer:
                 return x.XferAnnounce(request_id=rid, layout=side.layout, blocks=side.blocks_by_rank(),
                                       pools=regions, pool_names=names, slots=self._pregrant(),
                                       deadline_s=max(0.0, self.machine.deadline - trio.current_time()),
-                                      chunking=x.CHUNKING_RANGES, word=word, token=token)
+                                      chunking=x.CHUNKING_RANGES, word=word, token=token, ref=self.ref)
             return x.XferAccept(request_id=rid, layout=side.layout, blocks=side.blocks_by_rank(),
                                 pools=regions, pool_names=names, slots=self._pregrant(), chunking=x.CHUNKING_RANGES,
-                                word=word, token=token)
+                                word=word, token=token, ref=self.ref)
         if isinstance(a, f.SendPath):
             side = self.sides[f.Role.CTX]
             bounced = a.path is f.Path.BOUNCE
             return x.XferPath(request_id=rid, path=a.path.value, layout=side.layout, blocks=side.blocks_by_rank(),
                               chunk_bytes=self.bounce_chunk if bounced else 0,
                               credits=x.CREDITS_NOTIF if bounced and self.env.cfg.credit_notifs else "",
-                              landed=self._landed_event() if a.path is f.Path.MAPPED else None)
+                              landed=self._landed_event() if a.path is f.Path.MAPPED else None, ref=self.ref)
         if isinstance(a, f.SendDataDone):
             chunks = self.sent.chunks if self.sent is not None else a.writes
             return x.XferDone(request_id=rid, writes=a.writes, bytes=a.nbytes, chunks=chunks)
@@ -820,7 +825,7 @@ class Transfer:
             left = min(max(self.machine.deadline - trio.current_time(), 1e-3), MAX_DEADLINE_S) if a.unheard else 0.0
             return x.XferFail(request_id=rid, code=a.code, message=a.message,
                               writes_stopped=a.writes_stopped, sender=sender, deadline_s=left,
-                              ref=self.ref if sender == "gen" else 0)
+                              ref=self.ref if sender == "gen" else 0, peer_ref=self.remote.ref)
         raise InternalError(f"unexpected action {a!r}")
 
     def _landed_event(self) -> x.LandedEvent | None:
@@ -1010,7 +1015,7 @@ class Transfer:
         return Job(request_id=self.request_id, owner=self.slot_owner, plan=p, src={r: part.pool for r, part in side.parts.items()},
                    progress=_Progress(self, f.Role.CTX, side), chunk_bytes=cfg.chunk_mb << 20,
                    descs_per_write=cfg.descs_per_write,
-                   gpu_chunk_bytes=cfg.gpu_chunk_mb << 20, stages=side.stages)
+                   gpu_chunk_bytes=cfg.gpu_chunk_mb << 20, stages=side.stages, peer_ref=self.remote.ref)
 
     async def _local_task(self) -> None:
         async def body() -> None:
@@ -1397,7 +1402,8 @@ class Transfer:
             side.chunks_total = len(chunks)
             rid = self.request_id
             credits = bounce.Credits(rid, self.env.nixl(), link.agent, link.send,
-                                     by_notif=self.remote.credits == x.CREDITS_NOTIF, stages=side.stages)
+                                     by_notif=self.remote.credits == x.CREDITS_NOTIF, stages=side.stages,
+                                     ref=self.remote.ref)
             progress = _ScatterProgress(self, side)
             receiver = bounce.Receiver(rid, self.slot_owner, p, chunks, {r: part.pool for r, part in side.parts.items()},
                                        staging.recv, staging.recv_slots, progress, credits, granted=self.pregranted,

@@ -76,6 +76,8 @@ class Job:
     stages: dict[str, float] = field(default_factory=dict)
     # mapped path: completion tokens (device address, value) the GPU stores after the kernel
     stores: list[tuple[int, int]] = field(default_factory=list)
+    # NIXL paths: the peer's number for the request, named in each write's notification (0: not known)
+    peer_ref: int = 0
 
 
 def mem(device: int) -> Literal["DRAM", "VRAM"]:

@@ -222,7 +222,7 @@ async def send(job: Job, chs: list[ChunkRange], chunk_bytes: int, first_slot: in
             await await_completion(gathered)
             n = write_bytes(ch.nbytes, cap)
             local, remote = lists(n)
-            notif = x.encode_notif(x.Notif(rid, seq, remote_slot))
+            notif = x.encode_notif(x.Notif(rid, seq, remote_slot, job.peer_ref))
             job.progress.check()  # raises once the transfer is aborting: no write after failure
             # a handle per (send slot, receive slot, length), reposted: no make/release per
             # chunk. A small host write is posted inline: there the post is the copy, and a
@@ -293,6 +293,7 @@ class Credits:
     send_grant: Callable[[x.XferGrant], Awaitable[None]]
     by_notif: bool
     stages: dict[str, float] = field(default_factory=dict)
+    ref: int = 0  # ctx's number for the request, named in each credit (0: not known)
 
     async def __call__(self, slots: list[int]) -> None:
         if self.by_notif and self.nixl is not None:
@@ -302,7 +303,7 @@ class Credits:
             try:
                 for i in range(0, len(slots), x.MAX_CREDITS):
                     batch = slots[i : i + x.MAX_CREDITS]
-                    self.nixl.send_notif(self.agent, x.encode_notif(x.Credit(self.request_id, batch)))
+                    self.nixl.send_notif(self.agent, x.encode_notif(x.Credit(self.request_id, batch, self.ref)))
                     self._count("credits_notif", len(batch))
                 return
             except NixlError as exc:

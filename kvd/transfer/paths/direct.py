@@ -38,7 +38,7 @@ async def write_fragments(job: Job, frags_of: dict[tuple[int, int], Int64Array])
             part = frags[lo : lo + step]
             local = np.stack([part[:, 0] + src_pool.ptr, part[:, 2]], axis=1)
             remote = np.stack([part[:, 1] + dst.addr, part[:, 2]], axis=1)
-            notif = x.encode_notif(x.Notif(job.request_id, seq, -1))
+            notif = x.encode_notif(x.Notif(job.request_id, seq, -1, job.peer_ref))
             job.progress.posted()
             try:
                 # on cancel, write_async releases the handle (UCX cancels the write) before raising
