@@ -16,7 +16,6 @@ from __future__ import annotations
 import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import structlog.testing
 import trio
@@ -29,46 +28,10 @@ from protocol import messages as m
 from protocol import transfer as x
 from protocol import transfer_fsm as f
 from protocol.layout import KVLayout
+from tests.fake_link import FakeLink, FakeLinks
 
 ONE = KVLayout(num_layers=4, num_kv_heads=8, head_dim=64, tokens_per_block=32, dtype="bfloat16")
 TP2 = KVLayout(num_layers=4, num_kv_heads=8, head_dim=64, tokens_per_block=32, dtype="bfloat16", tp_size=2)
-
-
-class _Link:
-    """A peer link whose writer takes messages at once (``nowait``) or only awaited, the await
-    held until :attr:`release` is set."""
-
-    def __init__(self, *, nowait: bool) -> None:
-        self.takes_nowait = nowait
-        self.agent = "agent-1"
-        self.mapped: dict[str, Any] = {}
-        self.sent: list[x.XferMessage] = []
-        self.release = trio.Event()
-        self.sending = trio.Event()  # set once an awaited send started
-
-    def send_nowait(self, msg: x.XferMessage) -> bool:
-        self.sent.append(msg)
-        return True
-
-    async def send(self, msg: x.XferMessage) -> None:
-        self.sending.set()
-        await self.release.wait()
-        self.sent.append(msg)
-
-    def cork(self) -> None:
-        pass
-
-    def uncork(self) -> None:
-        pass
-
-
-@dataclass
-class _Links:
-    links: dict[str, _Link]
-    owed: list[x.XferMessage] = field(default_factory=list)
-
-    def owe(self, peer: str, msg: x.XferMessage) -> None:
-        self.owed.append(msg)
 
 
 @dataclass
@@ -77,7 +40,7 @@ class _Rig:
     deadlines it asked the engine's timer to watch."""
 
     nursery: trio.Nursery
-    links: _Links | None = None
+    links: FakeLinks | None = None
     spawned: list[bool] = field(default_factory=list)
     reports: list[m.Completion] = field(default_factory=list)
     ended: list[Transfer] = field(default_factory=list)
@@ -122,8 +85,8 @@ async def test_an_announce_the_link_takes_at_once_and_the_peers_answer_start_no_
     """gen names its peer: the announce goes into the link's writer in the registration's
     step; ctx's data-done ends the side in the link's step. No task from start to end."""
     async with trio.open_nursery() as nursery:
-        link = _Link(nowait=True)
-        rig = _Rig(nursery, _Links({"ctx": link}))
+        link = FakeLink(nowait=True)
+        rig = _Rig(nursery, FakeLinks({"ctx": link}))
         t = _gen(rig, peer="ctx", ranks=(0,))
         t.feed(f.SideComplete(f.Role.GEN, deadline=trio.current_time() + 60, deadline_s=60, peer_named=True))
         assert [type(msg) for msg in link.sent] == [x.XferAnnounce]
@@ -139,8 +102,8 @@ async def test_an_action_that_must_await_starts_the_actor_and_what_comes_meanwhi
     A cancel fed meanwhile queues behind it: its failure notice goes after the announce, and
     the side reports only once ctx says its writes stopped (no write after failure)."""
     async with trio.open_nursery() as nursery:
-        link = _Link(nowait=False)
-        rig = _Rig(nursery, _Links({"ctx": link}))
+        link = FakeLink(nowait=False)
+        rig = _Rig(nursery, FakeLinks({"ctx": link}))
         t = _gen(rig, peer="ctx", ranks=(0,))
         t.feed(f.SideComplete(f.Role.GEN, deadline=trio.current_time() + 60, deadline_s=60, peer_named=True))
         assert rig.spawned == [True]  # the actor, once
@@ -191,8 +154,8 @@ async def test_once_an_actor_runs_it_watches_the_deadline_and_the_timer_leaves_i
     announce): the timer's call is a no-op, the actor's own sleep expires the side, once; it
     reports only once ctx says its writes stopped."""
     async with trio.open_nursery() as nursery:
-        link = _Link(nowait=False)
-        rig = _Rig(nursery, _Links({"ctx": link}))
+        link = FakeLink(nowait=False)
+        rig = _Rig(nursery, FakeLinks({"ctx": link}))
         t = _gen(rig, peer="ctx", ranks=(0, 1))
         start = trio.current_time()
         t.feed(f.RankRegistered(f.Role.GEN, deadline=start + 5, deadline_s=5))

@@ -39,6 +39,7 @@ from protocol import transfer as x
 from protocol import transfer_fsm as f
 from protocol.layout import KVLayout
 from tests.bounce_harness import make_pools
+from tests.fake_link import FakeLink, FakeLinks
 
 RID = "r-early-cancel"
 CTX = KVLayout(num_layers=4, num_kv_heads=8, head_dim=64, tokens_per_block=16, dtype="bfloat16", num_blocks=16)
@@ -49,43 +50,10 @@ SLOTS = 4
 SENTINEL, STAGED = 0xEE, 0xAB
 
 
-class _Link:
-    """A peer link whose writer takes every message at once."""
-
-    agent = "ctx-agent"
-    takes_nowait = True
-
-    def __init__(self) -> None:
-        self.mapped: dict[str, Any] = {}
-        self.sent: list[x.XferMessage] = []
-
-    def send_nowait(self, msg: x.XferMessage) -> bool:
-        self.sent.append(msg)
-        return True
-
-    async def send(self, msg: x.XferMessage) -> None:
-        self.sent.append(msg)
-
-    def cork(self) -> None:
-        pass
-
-    def uncork(self) -> None:
-        pass
-
-
-@dataclass
-class _Links:
-    links: dict[str, _Link]
-    owed: list[x.XferMessage] = field(default_factory=list)
-
-    def owe(self, peer: str, msg: x.XferMessage) -> None:
-        self.owed.append(msg)
-
-
 @dataclass
 class _Rig:
     nursery: trio.Nursery
-    links: _Links
+    links: FakeLinks
     staging: Staging
     reports: list[m.Completion] = field(default_factory=list)
     ended: list[Transfer] = field(default_factory=list)
@@ -110,12 +78,12 @@ def gen_pool() -> Any:
 
 async def test_a_receive_task_starting_after_the_cancel_scatters_nothing(gen_pool: Pool) -> None:
     staging = Staging(_staging(CHUNK, SLOTS, -1), _staging(CHUNK, SLOTS, -1), SlotPool(SLOTS), SlotPool(SLOTS))
-    link = _Link()
+    link = FakeLink(held=False, agent="ctx-agent")
     gen_ids = [0, 1, 2, 3]
     gen_pool.tensor_u8().fill_(SENTINEL)
     with structlog.testing.capture_logs() as logs:
         async with trio.open_nursery() as nursery:
-            rig = _Rig(nursery, _Links({"ctx": link}), staging)
+            rig = _Rig(nursery, FakeLinks({"ctx": link}), staging)
             t = Transfer(rig.env(), RID, "ctx", {f.Role.GEN})
             session = SimpleNamespace(id=1, reads_page=False)
             t.sides[f.Role.GEN] = Side(request_id=RID, role="gen", layout=GEN, ranks=(0,), peer="ctx",
