@@ -9,10 +9,13 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import pytest
+import torch
 import trio
 
 from clients.client import AsyncClient
 from kvd.demo.launch import DaemonProcess
+from protocol.errors import TransferCancelled
 from protocol.layout import KVLayout
 from tests.tcp_proxy import Proxy
 from tests.transfer_harness import Pair, logged, pools_for, write_secret
@@ -98,3 +101,23 @@ async def until_active(client: AsyncClient) -> None:
     with trio.fail_after(30):
         while not (await client.stats()).transfers_active:
             await trio.sleep(0.005)  # polling the daemon's reply; the condition is the sync point
+
+
+async def filled_blocks(c: AsyncClient, g: AsyncClient, fill: int) -> tuple[list[int], list[int]]:
+    """:data:`BLOCKS` blocks on each side: ctx's filled with ``fill`` (int16 words), gen's as allocated."""
+    ctx_pool = (await c.attach("ctx0")).tensor.view(torch.int16)
+    ctx_ids = await c.alloc("ctx0", BLOCKS)
+    ctx_pool[torch.tensor(ctx_ids)] = fill
+    return ctx_ids, await g.alloc("gen0", BLOCKS)
+
+
+async def cancel_across_data_done(proxy: GatedProxy, g: AsyncClient, rid: str) -> None:
+    """With ctx's path and data-done messages held (``to_gen``): gen cancels ``rid`` and its
+    notice is held in turn (``to_ctx``, left held); then ctx's messages go, so gen reports the
+    request failed (no ctx write can land any more) and forgets it."""
+    proxy.hold_dir("to_ctx")
+    await g.cancel(rid)
+    proxy.let_go("to_gen")
+    with trio.fail_after(30), pytest.raises(TransferCancelled):
+        await g.wait(rid)
+    await until_idle(g)

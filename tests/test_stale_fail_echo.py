@@ -22,14 +22,20 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-import pytest
 import torch
 import trio
 
 from clients import open_client
 from kvd.demo.launch import DaemonProcess
 from protocol.errors import TransferCancelled
-from tests.gated_link import BLOCKS, LAYOUT, gated_pair, until_active, until_idle
+from tests.gated_link import (
+    LAYOUT,
+    cancel_across_data_done,
+    filled_blocks,
+    gated_pair,
+    until_active,
+    until_idle,
+)
 from tests.transfer_harness import logged
 
 Factory = Callable[..., DaemonProcess]
@@ -42,10 +48,7 @@ async def test_an_answer_to_an_old_failure_notice_does_not_fail_a_new_request(da
     async with gated_pair(daemon_factory, short_tmp) as (pair, proxy), \
             open_client(pair.gen.socket_path, client="gen-exec") as g, \
             open_client(pair.ctx.socket_path, client="ctx-exec") as c:
-        ctx_pool = (await c.attach("ctx0")).tensor.view(torch.int16)
-        ctx_ids = await c.alloc("ctx0", BLOCKS)
-        ctx_pool[torch.tensor(ctx_ids)] = CTX_FILL
-        gen_ids = await g.alloc("gen0", BLOCKS)
+        ctx_ids, gen_ids = await filled_blocks(c, g, CTX_FILL)
 
         # R: ctx's data goes out (NIXL), its path and data-done messages are held
         proxy.hold_dir("to_gen")
@@ -55,12 +58,7 @@ async def test_an_answer_to_an_old_failure_notice_does_not_fail_a_new_request(da
         await until_idle(c)  # ctx ended R and forgot it
 
         # gen cancels R before ctx's data-done message reached it; its notice is held
-        proxy.hold_dir("to_ctx")
-        await g.cancel(RID)
-        proxy.let_go("to_gen")  # path and data-done: no ctx write can land, gen reports
-        with trio.fail_after(30), pytest.raises(TransferCancelled):
-            await g.wait(RID)
-        await until_idle(g)
+        await cancel_across_data_done(proxy, g, RID)
 
         # the executor registers R again (a new request: the old one is forgotten); then ctx
         # reads gen's notice about the old R, answers it, and reads the new announce

@@ -23,14 +23,20 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-import pytest
 import torch
 import trio
 
 from clients import open_client
 from kvd.demo.launch import DaemonProcess
 from protocol.errors import TransferCancelled
-from tests.gated_link import BLOCKS, LAYOUT, gated_pair, until_active, until_idle
+from tests.gated_link import (
+    LAYOUT,
+    cancel_across_data_done,
+    filled_blocks,
+    gated_pair,
+    until_active,
+    until_idle,
+)
 from tests.transfer_harness import logged
 
 Factory = Callable[..., DaemonProcess]
@@ -43,10 +49,7 @@ async def test_an_old_failure_notice_does_not_fail_a_new_ctx_request(daemon_fact
     async with gated_pair(daemon_factory, short_tmp) as (pair, proxy), \
             open_client(pair.gen.socket_path, client="gen-exec") as g, \
             open_client(pair.ctx.socket_path, client="ctx-exec") as c:
-        ctx_pool = (await c.attach("ctx0")).tensor.view(torch.int16)
-        ctx_ids = await c.alloc("ctx0", BLOCKS)
-        ctx_pool[torch.tensor(ctx_ids)] = CTX_FILL
-        gen_ids = await g.alloc("gen0", BLOCKS)
+        ctx_ids, gen_ids = await filled_blocks(c, g, CTX_FILL)
 
         # R, ctx first: gen holds ctx's offer (and with it ctx's number for R)
         await c.publish(RID, "ctx0", LAYOUT, 0, ctx_ids, peer="gen")
@@ -58,12 +61,7 @@ async def test_an_old_failure_notice_does_not_fail_a_new_ctx_request(daemon_fact
         await until_idle(c)  # ctx ended R and forgot it
 
         # gen cancels R before it read ctx's path and data-done messages; its notice is held
-        proxy.hold_dir("to_ctx")
-        await g.cancel(RID)
-        proxy.let_go("to_gen")  # path and data-done: no ctx write can land, gen reports
-        with trio.fail_after(30), pytest.raises(TransferCancelled):
-            await g.wait(RID)
-        await until_idle(g)
+        await cancel_across_data_done(proxy, g, RID)
 
         # ctx's executor publishes R again (a new request) while gen's old notice is held;
         # then ctx reads the notice. Before the fix it failed the new request on it
