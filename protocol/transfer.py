@@ -197,14 +197,13 @@ class XferFail(XferMessage, frozen=True, tag="xfer_fail"):
     # it at all; seconds left of its deadline: the receiver keeps the failure that long for its
     # ranks that register later. 0: the receiver knows the request (or an older daemon sent it)
     deadline_s: TimeoutS = 0.0
-    # gen's notice: its request's number on the gen daemon (Transfer.ref); ctx's answer to such
-    # a notice (ctx had ended, or knows no such request) names it again, so that gen takes the
-    # answer only for that request, not for a new one of the same id registered meanwhile.
-    # 0: neither (any other notice, or an older daemon)
+    # the sender's number for the request (as XferOffer.ref): a daemon that no longer knows
+    # the request answers the notice naming it back as peer_ref
     ref: Token = 0
     # the receiver's number for the request as the sender knows it (from its offer, accept,
-    # announce or path message): the receiver drops a notice naming another of its requests
-    # (an earlier one of this id). 0: the sender never heard of it (or an older daemon)
+    # announce or path message, or the notice this answers): the receiver drops a notice
+    # naming another of its requests (an earlier one of this id). 0: the sender never heard
+    # of it (or an older daemon)
     peer_ref: Token = 0
 
 

@@ -719,16 +719,14 @@ class Engine:
         """Route one transfer-control message from ``link`` into its transfer's inbox."""
         rid = msg.request_id
         t = self.transfers.get((link.node, rid))
-        if isinstance(msg, x.XferFail) and msg.sender == "ctx" and msg.ref and (t is None or t.ref != msg.ref):
-            # ctx's answer to the failure notice of an earlier request of this id, which ended
-            # here meanwhile (its data-done message crossed the notice): not about this one
-            log.debug("transfer.stale_answer", peer=link.node, request_id=rid, code=msg.code)
-            return
-        if isinstance(msg, x.XferFail) and msg.peer_ref and t is not None and t.ref != msg.peer_ref:
-            # the peer's failure notice about an earlier request of this id, which ended here
-            # (e.g. gen's cancel crossed ctx's data-done message, and ctx's executor published
-            # the id again before the notice was read): it names that request's number
-            log.debug("transfer.stale_notice", peer=link.node, request_id=rid, code=msg.code)
+        if isinstance(msg, x.XferFail) and msg.peer_ref and (t.ref != msg.peer_ref if t is not None
+                                                            else msg.sender == "ctx"):
+            # the peer's failure notice, or ctx's answer to ours, about an earlier request of
+            # this id, which ended here (e.g. gen's cancel crossed ctx's data-done message, and
+            # an executor registered the id again before the notice was read): it names that
+            # request's number. (gen's notice for a request ctx no longer knows is answered below)
+            log.debug("transfer.stale_notice" if msg.sender == "gen" else "transfer.stale_answer",
+                      peer=link.node, request_id=rid, code=msg.code)
             return
         ctx_unheard = isinstance(msg, x.XferFail) and msg.sender == "ctx" and msg.deadline_s > 0
         if t is None and (ctx_unheard or isinstance(msg, x.XferOffer | x.XferPath)):
@@ -747,7 +745,7 @@ class Engine:
                 else:
                     code, message = PeerUnavailable.code, "the ctx side had already finished sending"
                 await self._tell(link, x.XferFail(request_id=rid, code=code, message=message, writes_stopped=True,
-                                                  sender="ctx", ref=msg.ref))
+                                                  sender="ctx", peer_ref=msg.ref))
         if t is not None and t.finished.is_set() and isinstance(msg, x.XferOffer | x.XferAnnounce | x.XferPath):
             sender = "ctx" if isinstance(msg, x.XferAnnounce) else "gen"
             mine = t.machine.side(f.Role(sender))
@@ -779,7 +777,7 @@ class Engine:
                 t = await self._start_unclaimed(link, rid, f.Role.CTX)
             elif isinstance(msg, x.XferFail) and msg.sender == "gen":
                 # gen waits for our word that no write of ours can land: none ever will
-                await self._refuse(link, rid, "ctx", NotFound(f"no request {rid!r} here"), ref=msg.ref)
+                await self._refuse(link, rid, "ctx", NotFound(f"no request {rid!r} here"), peer_ref=msg.ref)
                 return
             else:
                 log.debug("transfer.unknown_request", peer=link.node, request_id=rid, type=type(msg).__name__)
@@ -819,9 +817,9 @@ class Engine:
         else:
             del self._unclaimed_count[node]
 
-    async def _refuse(self, link: PeerLink, rid: str, sender: str, exc: KvdError, ref: int = 0) -> None:
+    async def _refuse(self, link: PeerLink, rid: str, sender: str, exc: KvdError, peer_ref: int = 0) -> None:
         await self._tell(link, x.XferFail(request_id=rid, code=exc.code, message=exc.message,
-                                          writes_stopped=True, sender=sender, ref=ref))
+                                          writes_stopped=True, sender=sender, peer_ref=peer_ref))
 
     @staticmethod
     async def _tell(link: PeerLink, msg: x.XferFail) -> None:

@@ -161,8 +161,8 @@ _RECEIVING_STATES = frozenset({f.State.DEST_OUT, f.State.RECEIVING})
 #: ctx states, seen from gen, in which ctx's GPU may have stored gen's token (offered: ctx published
 #: first, and its kernel ran before its path message was read here)
 _UNLANDED = frozenset({f.State.IDLE, f.State.OFFERED, f.State.SENDING})
-#: Numbers the requests of this daemon (``Transfer.ref``): gen's failure notice names its
-#: request's, and ctx's answer to the notice names it again (``XferFail.ref``)
+#: Numbers the requests of this daemon (``Transfer.ref``): each side's first message names its
+#: number, and the peer names it back in this request's notices and NIXL notifications
 _refs = itertools.count(1)
 
 
@@ -264,9 +264,9 @@ class Transfer:
         self.created = time.monotonic()
         self.finished = trio.Event()
         self.forgetting = False  # the engine drops it soon
-        #: this request among every one of this daemon, ids reused included: gen's failure
-        #: notice names it, so an answer to the notice of an earlier request of the same id
-        #: is not taken for this one's (see Engine.deliver)
+        #: this request among every one of this daemon, ids reused included: the peer names
+        #: it in its notices, answers and NIXL notifications, so that one about an earlier
+        #: request of the same id is not taken for this one's (see Engine.deliver, _on_notif)
         self.ref = next(_refs)
         # the actor's inbox, the bounce path's notified chunks and the receive slots gen
         # granted (in order), each opened when first read (see LazyChannel): a request
@@ -825,7 +825,7 @@ class Transfer:
             left = min(max(self.machine.deadline - trio.current_time(), 1e-3), MAX_DEADLINE_S) if a.unheard else 0.0
             return x.XferFail(request_id=rid, code=a.code, message=a.message,
                               writes_stopped=a.writes_stopped, sender=sender, deadline_s=left,
-                              ref=self.ref if sender == "gen" else 0, peer_ref=self.remote.ref)
+                              ref=self.ref, peer_ref=self.remote.ref)
         raise InternalError(f"unexpected action {a!r}")
 
     def _landed_event(self) -> x.LandedEvent | None:
