@@ -725,8 +725,10 @@ class Engine:
             # this id, which ended here (e.g. gen's cancel crossed ctx's data-done message, and
             # an executor registered the id again before the notice was read): it names that
             # request's number. (gen's notice for a request ctx no longer knows is answered below)
-            log.debug("transfer.stale_notice" if msg.sender == "gen" else "transfer.stale_answer",
-                      peer=link.node, request_id=rid, code=msg.code)
+            if msg.sender == "gen":  # (literal event names: docs/events.md is checked against them)
+                log.debug("transfer.stale_notice", peer=link.node, request_id=rid, code=msg.code)
+            else:
+                log.debug("transfer.stale_answer", peer=link.node, request_id=rid, code=msg.code)
             return
         ctx_unheard = isinstance(msg, x.XferFail) and msg.sender == "ctx" and msg.deadline_s > 0
         if t is None and (ctx_unheard or isinstance(msg, x.XferOffer | x.XferPath)):
