@@ -11,6 +11,11 @@ A slot may also be taken *ahead* (:meth:`try_acquire_ahead`): by work that start
 holds the other resource it needs (a bounce chunk gathered before gen granted its receive
 slot). At most ``count - 1`` slots are held ahead at any time, so one is always left for
 owners that hold everything else: they never wait on holders that wait for them.
+
+An owner's slots are all taken back at once when its transfer reports (``release_owner``),
+which drops its waiters. A waiter already handed a slot but not yet run (woken, waiting for
+the next scheduler pass) finds the slot gone when it runs: :meth:`SlotPool.acquire` then
+raises :class:`SlotsReclaimed` instead of returning a slot its owner no longer holds.
 """
 
 from __future__ import annotations
@@ -18,6 +23,14 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 
 import trio
+
+from protocol.errors import TransferCancelled
+
+
+class SlotsReclaimed(TransferCancelled):
+    """The slot handed to a waiting :meth:`SlotPool.acquire` was taken back with the rest of
+    its owner's slots (:meth:`SlotPool.release_owner`: the owner's transfer ended) before the
+    waiter ran: the owner holds nothing, and must take nothing more."""
 
 
 class SlotPool:
@@ -47,7 +60,9 @@ class SlotPool:
         return owned is not None and slot in owned
 
     async def acquire(self, owner: str) -> int:
-        """Wait for one slot for ``owner``; cancellable without losing the slot."""
+        """Wait for one slot for ``owner``; cancellable without losing the slot. Raises
+        :class:`SlotsReclaimed` when the slot handed over was taken back (``release_owner``)
+        before this task ran: a woken task runs on even when cancelled meanwhile."""
         if self._free and not self._waiting:
             return self._give(owner, self._free.popleft())
         event, box = trio.Event(), list[int]()
@@ -55,12 +70,17 @@ class SlotPool:
         try:
             await event.wait()
         except BaseException:
-            if box:  # granted while we were being cancelled: give it back
-                self.release(owner, box[0])
-            else:
+            if not box:
                 self._drop_waiter(owner, event)
+            elif self.owns(owner, box[0]):  # granted while we were being cancelled: give it back
+                self.release(owner, box[0])
             raise
-        return box[0]
+        slot = box[0]
+        if not self.owns(owner, slot):
+            raise SlotsReclaimed(
+                f"slot {slot}, handed to {owner!r}, was taken back with the rest of its slots"
+            )
+        return slot
 
     def try_acquire(self, owner: str) -> int | None:
         """A slot now, or None."""

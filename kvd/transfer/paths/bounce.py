@@ -41,8 +41,9 @@ from kvd.regroup import apply as regroup_apply
 from kvd.regroup.table import ChunkRange, chunk_ranges
 from kvd.transfer.movers import INLINE_BYTES, until_done
 from kvd.transfer.paths.base import Job, Progress, Sent, mem
+from kvd.transport.slots import SlotsReclaimed
 from protocol import transfer as x
-from protocol.errors import NixlError, TransferError
+from protocol.errors import KvdError, NixlError, TransferError
 
 if TYPE_CHECKING:
     from kvd.pool import Pool
@@ -347,11 +348,22 @@ class Receiver:
                 await self._scatter(n, gpu, nursery)
 
     async def _grants(self) -> None:
+        """Grant a receive slot to every chunk not granted yet, as slots come free. Only while
+        the side receives: a loop still running after its side began aborting or reported
+        (its cancellation comes at its next checkpoint, and taking a free slot is none) would
+        take slots that nothing gives back, the side's having been given back already."""
         if self.withhold:
             return
         left = len(self.chunks) - self.granted
         while left > 0:
-            batch = [await self.slots.acquire(self.owner)]
+            try:
+                first = await self.slots.acquire(self.owner)
+            except SlotsReclaimed:
+                return  # handed a slot as the side reported: taken back with the others
+            if not self._receiving():
+                self.slots.release(self.owner, first)  # never granted: ctx cannot write into it
+                return
+            batch = [first]
             while len(batch) < left:  # every slot free now goes in the same credit
                 slot = self.slots.try_acquire(self.owner)
                 if slot is None:
@@ -359,6 +371,14 @@ class Receiver:
                 batch.append(slot)
             left -= len(batch)
             await self.grant(batch)
+
+    def _receiving(self) -> bool:
+        """Whether the side still receives (a credit invites a write: none once it aborts)."""
+        try:
+            self.progress.check()
+        except KvdError:
+            return False
+        return True
 
     async def _scatter(self, n: x.Notif, gpu: bool, nursery: trio.Nursery) -> None:
         """Launch chunk ``n.seq``'s scatter; on a GPU its completion is awaited in a task of
