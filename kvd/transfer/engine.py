@@ -603,7 +603,7 @@ class Engine:
         if not gone or self.transfers.get(t.key) is not t or t.forgetting:
             return
         t.forgetting = True
-        if all(r in t.sides and t.sides[r].complete for r in t.machine.here) and not self._ctx_may_ask(t):
+        if not self._late_ranks_may_come(t) and not self._ctx_may_ask(t):
             del self.transfers[t.key]  # every rank here registered and heard the outcome
             return
         # a side ended before all its ranks registered: a late rank still learns how it ended;
@@ -611,12 +611,17 @@ class Engine:
         self._remember(t)
 
     @staticmethod
+    def _late_ranks_may_come(t: Transfer) -> bool:
+        """A side here ended before all its ranks registered: the missing ones may still come."""
+        return not all(r in t.sides and t.sides[r].complete for r in t.machine.here)
+
+    @staticmethod
     def _ctx_may_ask(t: Transfer) -> bool:
         """gen's side here failed while the peer's ctx side was never heard from: its offer may
         still come, and must get the failure rather than wait for its deadline."""
         m_ = t.machine
         return (f.Role.GEN in m_.here and not m_.local and m_.state(f.Role.GEN) is f.State.FAILED
-                and m_.state(f.Role.CTX) is f.State.IDLE)
+                and m_.state(f.Role.CTX) is f.State.IDLE and not t.remote.ref)
 
     def _remember(self, t: Transfer) -> None:
         """Keep the ended ``t`` until its deadline, and at least ``remember_ended_s`` from now;
@@ -719,8 +724,9 @@ class Engine:
         """Route one transfer-control message from ``link`` into its transfer's inbox."""
         rid = msg.request_id
         t = self.transfers.get((link.node, rid))
-        if isinstance(msg, x.XferFail) and msg.peer_ref and (t.ref != msg.peer_ref if t is not None
-                                                            else msg.sender == "ctx"):
+        if t is not None and isinstance(msg, x.XferFail) and msg.sender == "gen" and _from_another(t, msg):
+            t = None  # gen's notice about another request of its than the one t heard: answered below
+        if isinstance(msg, x.XferFail) and _stale_notice(t, msg):
             # the peer's failure notice, or ctx's answer to ours, about an earlier request of
             # this id, which ended here (e.g. gen's cancel crossed ctx's data-done message, and
             # an executor registered the id again before the notice was read): it names that
@@ -748,13 +754,29 @@ class Engine:
                     code, message = PeerUnavailable.code, "the ctx side had already finished sending"
                 await self._tell(link, x.XferFail(request_id=rid, code=code, message=message, writes_stopped=True,
                                                   sender="ctx", peer_ref=msg.ref))
+        if t is not None and t.finished.is_set() and isinstance(msg, x.XferOffer | x.XferAnnounce) \
+                and _from_another(t, msg):
+            # the peer started a new request of this id (its number differs from the one this
+            # ended request heard): the peer's side of the old one ended, so no late message of
+            # it needs an answer from here, and this daemon's late ranks of it would join the new
+            # one anyway once it is forgotten. Without this, the new request got the old one's
+            # failure (a retry after a deadline failed with that deadline's message)
+            log.debug("transfer.replaced", peer=link.node, request_id=rid, type=type(msg).__name__)
+            self._forget(t)
+            t = None
         if t is not None and t.finished.is_set() and isinstance(msg, x.XferOffer | x.XferAnnounce | x.XferPath):
             sender = "ctx" if isinstance(msg, x.XferAnnounce) else "gen"
             mine = t.machine.side(f.Role(sender))
             if f.Role(sender) in t.machine.here and mine.state is f.State.FAILED:
                 # our side failed before the peer's got going: tell it why, not "ran already"
                 await self._tell(link, x.XferFail(request_id=rid, code=mine.code, message=mine.message,
-                                                  writes_stopped=True, sender=sender))
+                                                  writes_stopped=True, sender=sender, peer_ref=msg.ref))
+                if not isinstance(msg, x.XferPath):
+                    # the peer's request now has a number here: a later one of this id is
+                    # told apart (transfer.replaced), and gen no longer waits for ctx's offer
+                    t.remote.ref = t.remote.ref or msg.ref
+                    if t.forgetting and not self._late_ranks_may_come(t):
+                        self._forget(t)  # remembered only for that offer, which got its answer
                 return
             if isinstance(msg, x.XferPath):
                 log.debug("transfer.late_message", peer=link.node, request_id=rid, type="XferPath")
@@ -856,6 +878,25 @@ class Engine:
                 log.debug("transfer.stale_notification", peer=node, request_id=n.request_id, ref=n.ref)
                 return
             t.post(n)
+
+
+def _from_another(t: Transfer, msg: x.XferFail | x.XferOffer | x.XferAnnounce) -> bool:
+    """Whether ``msg`` comes from another request of the peer's than the one ``t`` heard from
+    (both numbers known, and they differ)."""
+    return bool(msg.ref and t.remote.ref and msg.ref != t.remote.ref)
+
+
+def _stale_notice(t: Transfer | None, msg: x.XferFail) -> bool:
+    """Whether the peer's failure notice ``msg`` is about another request of its id than ``t``
+    (this daemon's request of that id from that peer, None: none) and is dropped: it names
+    another number of ours (``peer_ref``), or (ctx's) it comes from another of ctx's requests
+    than the one ``t`` heard. gen's notices are never dropped: gen waits for the answer. A
+    notice naming no number is matched by its id alone."""
+    if t is None:
+        return bool(msg.peer_ref) and msg.sender == "ctx"
+    if msg.peer_ref and msg.peer_ref != t.ref:
+        return True
+    return msg.sender == "ctx" and _from_another(t, msg)
 
 
 def remember_until(deadline: float, now: float, at_least_s: float) -> float:

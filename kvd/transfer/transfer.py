@@ -678,6 +678,7 @@ class Transfer:
             role = f.Role(msg.sender) if msg.sender in ("ctx", "gen") else self._remote_role()
             if role is None:
                 return
+            r.ref = r.ref or msg.ref  # the peer's number, when this notice is the first word of it
             self.feed(f.FailReceived(role, msg.code, msg.message, msg.writes_stopped,
                                      deadline=self._deadline(msg.deadline_s), deadline_s=msg.deadline_s))
         # XferComplete: older daemons confirm a transfer; the data-done message already did
