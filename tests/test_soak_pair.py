@@ -2,11 +2,13 @@
 random for ``KVD_PAIR_SOAK_SECONDS`` (30 by default) — either side first, gen naming its peer
 or not, equal layouts (the direct path) or a regroup (the bounce path), or both daemons on the
 same-node mapped path — and strike faults at random points: gen or ctx cancels, a side's
-executor hangs up, a side never registers and the other's deadline expires. A request id
-is reused once both sides of its request ended ok.
+executor hangs up, a side never registers and the other's deadline expires; in the third
+case the peer link is also cut now and then (ctx dials gen through a relay in the test
+process). A request id is reused once both sides of its request ended ok.
 
 Every request must end on both sides with an outcome a caller can act on (ok, or one of the
-expected errors), a completed one byte for byte, and gen's blocks must be free to free as soon
+expected errors; ok on both sides when no fault struck it and no cut came while it ran), a
+completed one byte for byte, and gen's blocks must be free to free as soon
 as its wait returned. Afterwards nothing may be left on either daemon: no lease, no running
 transfer, no bounce slot; each daemon logged exactly one ``transfer.done`` or
 ``transfer.failed`` per request side it accepted, no error-level line, and a last transfer on
@@ -41,7 +43,8 @@ from protocol.errors import (
     TransferTimeout,
 )
 from protocol.layout import KVLayout
-from tests.transfer_harness import pools_for, wait_for_peer, write_secret
+from tests.tcp_proxy import Proxy
+from tests.transfer_harness import pools_for, proxied_pair
 
 Factory = Callable[..., DaemonProcess]
 SECONDS = float(os.environ.get("KVD_PAIR_SOAK_SECONDS", "30"))
@@ -123,6 +126,7 @@ class Worker:
         kind = kind or self.rng.choice(sorted(KINDS))
         ctx_pool, gen_pool, gen_layout = KINDS[kind]
         fault = fault or self.rng.choice(FAULTS)
+        cuts_before = self.tally["link cuts"]
         order = self.rng.choice(("gen_peer", "gen", "ctx"))
         n = 2 * self.rng.randint(1, 8)  # ctx blocks: even, so a doubled gen block is whole
         deadline = 1.0 if fault in ("ctx_never", "gen_never") else 30.0
@@ -218,7 +222,7 @@ class Worker:
         said = f"ctx {outcome.get('ctx', '-')}, gen {outcome.get('gen', '-')}"
         self.tally[f"{kind} {fault}: {said}"] += 1
         self.history.append((rid, kind, fault, order, said))
-        if fault == "none":
+        if fault == "none" and self.tally["link cuts"] == cuts_before:
             assert outcome == {"ctx": "ok", "gen": "ok"}, self.explain(rid)
         if outcome.get("gen") == "ok":
             want = _expected_gen(ctx_view["data"], gen_layout)
@@ -241,28 +245,38 @@ async def _settled(path: str) -> None:
 
 
 @pytest.mark.soak
-@pytest.mark.parametrize("mapped", [False, True], ids=["nixl", "mapped"])
-async def test_pair_soak_leaves_nothing_behind(daemon_factory: Factory, short_tmp: Path, mapped: bool) -> None:
-    secret = write_secret(short_tmp)
+@pytest.mark.parametrize(("mapped", "cuts"), [(False, False), (True, False), (False, True)],
+                         ids=["nixl", "mapped", "nixl-link-cuts"])
+async def test_pair_soak_leaves_nothing_behind(daemon_factory: Factory, short_tmp: Path, mapped: bool,
+                                               cuts: bool) -> None:
     # a short bounce wait would let the fragment fallback take over now and then; this soak is
     # about the bounce path's slots, so the wait is long
     transfer = {"bounce_size_mb": 2, "chunk_mb": 1, "mapped": mapped, "deadline_s": 30.0,
-                "bounce_wait_s": 30.0}
-    gen = daemon_factory({"pools": pools_for("gsame", SAME, NUM_BLOCKS) + pools_for("gdouble", DOUBLE, NUM_BLOCKS),
-                          "peer_secret_file": secret, "transfer": transfer, "log_level": "debug"}, name="gen")
-    ctx = daemon_factory({"pools": pools_for("ctx", SAME, NUM_BLOCKS), "peer_secret_file": secret,
-                          "transfer": transfer, "log_level": "debug", "peers": [{"name": "gen", "host": "127.0.0.1", "port": gen.peer_port}]},
-                         name="ctx")
-    for d in (ctx, gen):
-        async with open_client(d.socket_path, client="probe") as probe:
-            await wait_for_peer(probe)
+                "bounce_wait_s": 30.0, "heartbeat_interval_s": 0.5}
+    gen_config = {"pools": pools_for("gsame", SAME, NUM_BLOCKS) + pools_for("gdouble", DOUBLE, NUM_BLOCKS),
+                  "transfer": transfer, "log_level": "debug"}
+    ctx_config = {"pools": pools_for("ctx", SAME, NUM_BLOCKS), "transfer": transfer, "log_level": "debug"}
+    # ctx dials gen through a relay in this process, which cuts the link when told
+    async with proxied_pair(daemon_factory, short_tmp, ctx_config, gen_config) as (pair, proxy):
+        await _soak(pair.ctx, pair.gen, proxy if cuts else None)
 
+
+async def _cut_now_and_then(proxy: Proxy, until: float, rng: random.Random, tally: collections.Counter[str]) -> None:
+    """Cut the peer link at random moments until ``until`` (ctx dials again at once)."""
+    while trio.current_time() < until - 1.0:
+        await trio.sleep(0.3 + rng.random())
+        tally["link cuts"] += proxy.cut() > 0
+
+
+async def _soak(ctx: DaemonProcess, gen: DaemonProcess, proxy: Proxy | None) -> None:
     tally: collections.Counter[str] = collections.Counter()
     until = trio.current_time() + SECONDS
     async with trio.open_nursery() as nursery:
         for i in range(WORKERS):
             nursery.start_soon(Worker(i, ctx, gen, until, tally).run)
-    print(f"\npair soak ({'mapped' if mapped else 'nixl'}, {SECONDS:.0f}s):")
+        if proxy is not None:
+            nursery.start_soon(_cut_now_and_then, proxy, until, random.Random(7), tally)
+    print(f"\npair soak ({SECONDS:.0f}s):")
     for key, count in sorted(tally.items()):
         print(f"  {count:5d}  {key}")
 
