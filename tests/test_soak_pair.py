@@ -76,6 +76,11 @@ def _events(d: DaemonProcess) -> collections.Counter[str]:
     return counts
 
 
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _expected_gen(src: torch.Tensor, layout: KVLayout) -> torch.Tensor:
     """What gen's blocks must hold, from the ctx blocks ``src`` ([n, layer, kv, head, token, dim])."""
     if layout.tokens_per_block == SAME.tokens_per_block:
@@ -142,7 +147,9 @@ class Worker:
             async with self._session(self.gen_path, "gen") as g:
                 pool = await g.attach(gen_pool)
                 ids = await g.alloc(gen_pool, n if gen_layout is SAME else n // 2)
-                pool.tensor.view(torch.int16)[torch.tensor(ids)] = 0x0EEE
+                index = torch.tensor(ids, device=pool.tensor.device)
+                pool.tensor.view(torch.int16)[index] = 0x0EEE
+                _sync(pool.tensor.device)
                 if order == "ctx":
                     await registered["ctx"].wait()
                 try:
@@ -166,7 +173,7 @@ class Worker:
                 try:
                     await g.wait(rid)
                     outcome["gen"] = "ok"
-                    gen_view["data"] = pool.tensor[torch.tensor(ids)].clone()
+                    gen_view["data"] = pool.tensor[index].cpu()
                 except FAILED as exc:
                     outcome["gen"] = type(exc).__name__
                 # the wait returned: no write of this request can land any more, the blocks are free to go
@@ -181,7 +188,8 @@ class Worker:
                 ids = await c.alloc(ctx_pool, n)
                 data = torch.randint(-(2**15), 2**15, (n, *pool.tensor.shape[1:]), dtype=torch.int16,
                                      generator=torch.Generator().manual_seed(self.rng.randrange(2**31)))
-                pool.tensor.view(torch.int16)[torch.tensor(ids)] = data
+                pool.tensor.view(torch.int16)[torch.tensor(ids, device=pool.tensor.device)] = data.to(pool.tensor.device)
+                _sync(pool.tensor.device)  # the executor's writes are in memory before it publishes
                 ctx_view["data"] = data
                 if order != "ctx":
                     await registered["gen"].wait()
@@ -249,15 +257,23 @@ async def _settled(path: str) -> None:
                          ids=["nixl", "mapped", "nixl-link-cuts"])
 async def test_pair_soak_leaves_nothing_behind(daemon_factory: Factory, short_tmp: Path, mapped: bool,
                                                cuts: bool) -> None:
+    await pair_soak(daemon_factory, short_tmp, mapped=mapped, cuts=cuts)
+
+
+async def pair_soak(daemon_factory: Factory, workdir: Path, *, mapped: bool, cuts: bool, memory: str = "host",
+                    ctx_device: int = -1, gen_device: int = -1) -> None:
+    """The soak on a fresh pair of daemons (host pools, or GPU pools with ``memory="auto"``)."""
     # a short bounce wait would let the fragment fallback take over now and then; this soak is
     # about the bounce path's slots, so the wait is long
     transfer = {"bounce_size_mb": 2, "chunk_mb": 1, "mapped": mapped, "deadline_s": 30.0,
                 "bounce_wait_s": 30.0, "heartbeat_interval_s": 0.5}
-    gen_config = {"pools": pools_for("gsame", SAME, NUM_BLOCKS) + pools_for("gdouble", DOUBLE, NUM_BLOCKS),
+    gen_pools = [*pools_for("gsame", SAME, NUM_BLOCKS, memory=memory, device=gen_device),
+                 *pools_for("gdouble", DOUBLE, NUM_BLOCKS, memory=memory, device=gen_device)]
+    gen_config = {"pools": gen_pools, "transfer": transfer, "log_level": "debug"}
+    ctx_config = {"pools": pools_for("ctx", SAME, NUM_BLOCKS, memory=memory, device=ctx_device),
                   "transfer": transfer, "log_level": "debug"}
-    ctx_config = {"pools": pools_for("ctx", SAME, NUM_BLOCKS), "transfer": transfer, "log_level": "debug"}
     # ctx dials gen through a relay in this process, which cuts the link when told
-    async with proxied_pair(daemon_factory, short_tmp, ctx_config, gen_config) as (pair, proxy):
+    async with proxied_pair(daemon_factory, workdir, ctx_config, gen_config) as (pair, proxy):
         await _soak(pair.ctx, pair.gen, proxy if cuts else None)
 
 
