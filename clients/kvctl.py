@@ -388,6 +388,16 @@ def _count(text: str) -> int:
     return value
 
 
+def _installed_version() -> str:
+    """The installed kvd version ("dev" from a source tree that was never installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("kvd")
+    except PackageNotFoundError:  # pragma: no cover - running from an uninstalled tree
+        return "dev"
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``kvctl`` command line."""
     parser = argparse.ArgumentParser(
@@ -395,6 +405,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="inspect and control a running kvd",
         epilog="exit codes: 0 ok, 1 the daemon answered with an error, 2 usage error, 3 cannot reach the daemon",
     )
+    parser.add_argument("--version", action="version", version=f"kvctl (kvd {_installed_version()})",
+                        help="print the installed kvd version and exit (kvctl status shows the daemon's)")
     # the common options are accepted before or after the command (kvctl --json pools, kvctl pools --json)
     _common_options(parser, with_defaults=True)
     common = argparse.ArgumentParser(add_help=False)

@@ -143,10 +143,36 @@ BENCHES = {
 }
 
 
+def installed_version() -> str:
+    """The installed kvd version, as ``kvctl status`` names a daemon's ("dev" from a source tree
+    that was never installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("kvd")
+    except PackageNotFoundError:  # pragma: no cover - running from an uninstalled tree
+        return "dev"
+
+
+def _gpu_transfer_help(rest: list[str]) -> bool:
+    """``kvd bench transfer --device cuda --help``: the GPU bench's own options. The CPU bench's
+    parser (which hands ``--device cuda`` on) would print its own help for ``--help`` first,
+    without the GPU options (``--gen-gpu``, ``--plot``) that its ``--device`` help points to."""
+    from kvd.bench.layout_spec import wanted
+
+    if not {"-h", "--help"} & set(rest) or wanted(rest):  # --layout ...: the layout bench's own help
+        return False
+    from itertools import pairwise
+
+    return "--device=cuda" in rest or ("--device", "cuda") in pairwise(rest)
+
+
 def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     """The ``kvd`` parser and its ``bench`` subparser. ``kvd demo`` and ``kvd bench NAME`` hand
     the rest of the command line to their own parsers (``build_parser`` of those modules)."""
     parser = argparse.ArgumentParser(prog="kvd", description="KV-cache transfer daemon")
+    parser.add_argument("--version", action="version", version=f"kvd {installed_version()}",
+                        help="print the installed kvd version and exit (kvctl status shows a daemon's)")
     sub = parser.add_subparsers(dest="command", required=True)
     p_serve = sub.add_parser("serve", help="run the daemon", description="run the daemon until SIGTERM or a drain")
     p_serve.add_argument("--config", "-c", default=os.environ.get("KVD_CONFIG"),
@@ -191,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
             from kvd.bench.ipc import main as bench_main
         elif args.what == "regroup":
             from kvd.bench.regroup import main as bench_main
+        elif _gpu_transfer_help(rest):
+            from kvd.bench.transfer_gpu import main as bench_main
         else:
             from kvd.bench.transfer import main as bench_main
         return bench_main(rest)
