@@ -1,8 +1,9 @@
 """Soak across the peer link: executors on two real daemons (ctx and gen) run requests at
 random for ``KVD_PAIR_SOAK_SECONDS`` (30 by default) — either side first, gen naming its peer
-or not, equal layouts (the direct path) or a regroup (the bounce path), or both daemons on the
-same-node mapped path — and strike faults at random points: gen or ctx cancels, a side's
-executor hangs up, a side never registers and the other's deadline expires; in the third
+or not, equal layouts (the direct path) or a regroup (the bounce path: gen with twice the
+tokens per block, or gen TP2 with two gen executors), or both daemons on the same-node mapped
+path — and strike faults at random points: gen or ctx cancels, a side's executor (or one gen
+rank's) hangs up, a side (or one gen rank) never registers and the deadline expires; in the third
 case the peer link is also cut now and then (ctx dials gen through a relay in the test
 process). A request id is reused once both sides of its request ended ok.
 
@@ -55,10 +56,13 @@ SAME = KVLayout(**GEO)
 #: gen with twice the tokens per block: gen block j holds ctx blocks 2j and 2j+1 (a regroup)
 DOUBLE = KVLayout(**{**GEO, "tokens_per_block": 16})
 NUM_BLOCKS = 512
-#: ctx pool, gen pool and gen layout of each kind of request
-KINDS = {"same": ("ctx0", "gsame0", SAME), "double": ("ctx0", "gdouble0", DOUBLE)}
+#: gen TP2: each gen rank holds half of the heads (a regroup, two gen executors)
+TP2 = KVLayout(**GEO, tp_size=2)
+#: ctx pool, gen pools' prefix (then the rank) and gen layout of each kind of request
+KINDS = {"same": ("ctx0", "gsame", SAME), "double": ("ctx0", "gdouble", DOUBLE), "tp2": ("ctx0", "gtp", TP2)}
+#: a one-rank fault (hangs up, cancels, never comes) strikes one gen rank of the request
 FAULTS = ("none", "none", "none", "none", "gen_cancel", "ctx_cancel", "ctx_hangs_up", "gen_hangs_up",
-          "ctx_never", "gen_never")
+          "ctx_never", "gen_never", "gen_rank_never")
 #: what a side's wait may end with when the other side (or its own executor) struck a fault
 FAILED = (TransferCancelled, TransferTimeout, PeerUnavailable, TransferError)
 
@@ -81,8 +85,12 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _expected_gen(src: torch.Tensor, layout: KVLayout) -> torch.Tensor:
-    """What gen's blocks must hold, from the ctx blocks ``src`` ([n, layer, kv, head, token, dim])."""
+def _expected_gen(src: torch.Tensor, layout: KVLayout, rank: int) -> torch.Tensor:
+    """What gen rank ``rank``'s blocks must hold, from the ctx blocks ``src`` ([n, layer, kv,
+    head, token, dim], TP1): its share of the heads, two ctx blocks a gen block where gen's
+    blocks hold twice the tokens."""
+    heads = src.shape[3] // layout.tp_size
+    src = src[:, :, :, rank * heads:(rank + 1) * heads]
     if layout.tokens_per_block == SAME.tokens_per_block:
         return src
     n, layers, kv, heads, tokens, dim = src.shape
@@ -129,55 +137,76 @@ class Worker:
         slot = self.serial % 3
         rid = f"w{self.index}-{slot}.{self.generation[slot]}"
         kind = kind or self.rng.choice(sorted(KINDS))
-        ctx_pool, gen_pool, gen_layout = KINDS[kind]
+        ctx_pool, gen_prefix, gen_layout = KINDS[kind]
         fault = fault or self.rng.choice(FAULTS)
         cuts_before = self.tally["link cuts"]
         order = self.rng.choice(("gen_peer", "gen", "ctx"))
         n = 2 * self.rng.randint(1, 8)  # ctx blocks: even, so a doubled gen block is whole
-        deadline = 1.0 if fault in ("ctx_never", "gen_never") else 30.0
+        deadline = 1.0 if fault in ("ctx_never", "gen_never", "gen_rank_never") else 30.0
         outcome: dict[str, str] = {}
         registered: dict[str, trio.Event] = {"ctx": trio.Event(), "gen": trio.Event()}
-        gen_view: dict[str, Any] = {}
+        gen_data: dict[int, torch.Tensor] = {}  # gen rank -> its blocks, once ok
+        gen_accepted = [False]
         ctx_view: dict[str, Any] = {}
 
-        async def gen_side() -> None:
-            if fault == "gen_never":
-                registered["gen"].set()  # the other side goes ahead alone
+        world = gen_layout.world_size
+        one_rank = self.rng.randrange(world)  # the rank a one-rank fault strikes
+        gen_said: dict[int, str] = {}
+        attempted = [0]
+
+        def gen_attempted() -> None:
+            attempted[0] += 1
+            if attempted[0] == world:
+                registered["gen"].set()
+
+        async def gen_rank(r: int) -> None:
+            if fault == "gen_never" or (fault == "gen_rank_never" and r == one_rank):
+                gen_attempted()  # the other side (and the other ranks) go ahead without it
                 return
+            name = f"{gen_prefix}{r}"
             async with self._session(self.gen_path, "gen") as g:
-                pool = await g.attach(gen_pool)
-                ids = await g.alloc(gen_pool, n if gen_layout is SAME else n // 2)
+                pool = await g.attach(name)
+                ids = await g.alloc(name, n if gen_layout.tokens_per_block == SAME.tokens_per_block else n // 2)
                 index = torch.tensor(ids, device=pool.tensor.device)
                 pool.tensor.view(torch.int16)[index] = 0x0EEE
                 _sync(pool.tensor.device)
                 if order == "ctx":
                     await registered["ctx"].wait()
                 try:
-                    await g.expect(rid, gen_pool, gen_layout, 0, ids, deadline_s=deadline,
+                    await g.expect(rid, name, gen_layout, r, ids, deadline_s=deadline,
                                    peer="ctx" if order == "gen_peer" else "")
-                except FAILED as exc:  # the other side failed already, and said so
-                    outcome["gen"] = f"refused {type(exc).__name__}"
-                    assert await g.free(gen_pool, ids) == len(ids)
+                except FAILED as exc:  # the other side (or this one) failed already, and said so
+                    gen_said[r] = f"refused {type(exc).__name__}"
+                    assert await g.free(name, ids) == len(ids)
                     return
                 finally:
-                    registered["gen"].set()
-                self.tally["gen sides accepted"] += 1
-                if fault == "gen_hangs_up":
+                    gen_attempted()
+                gen_accepted[0] = True
+                if fault == "gen_hangs_up" and r == one_rank:
                     await self._pause()
-                    outcome["gen"] = "hung_up"
+                    gen_said[r] = "hung_up"
                     return  # the session ends with the request registered and its blocks leased
-                if fault == "gen_cancel":
+                if fault == "gen_cancel" and r == one_rank:
                     await self._pause()
                     with suppress(NotFound):  # it had ended already
                         await g.cancel(rid)
                 try:
                     await g.wait(rid)
-                    outcome["gen"] = "ok"
-                    gen_view["data"] = pool.tensor[index].cpu()
+                    gen_said[r] = "ok"
+                    gen_data[r] = pool.tensor[index].cpu()
                 except FAILED as exc:
-                    outcome["gen"] = type(exc).__name__
+                    gen_said[r] = type(exc).__name__
                 # the wait returned: no write of this request can land any more, the blocks are free to go
-                assert await g.free(gen_pool, ids) == len(ids)
+                assert await g.free(name, ids) == len(ids)
+
+        async def gen_side() -> None:
+            async with trio.open_nursery() as ranks:
+                for r in range(world):
+                    ranks.start_soon(gen_rank, r)
+            if gen_accepted[0]:
+                self.tally["gen sides accepted"] += 1
+            if gen_said:
+                outcome["gen"] = "/".join(sorted(set(gen_said.values())))
 
         async def ctx_side() -> None:
             if fault == "ctx_never":
@@ -232,10 +261,11 @@ class Worker:
         self.history.append((rid, kind, fault, order, said))
         if fault == "none" and self.tally["link cuts"] == cuts_before:
             assert outcome == {"ctx": "ok", "gen": "ok"}, self.explain(rid)
-        if outcome.get("gen") == "ok":
-            want = _expected_gen(ctx_view["data"], gen_layout)
-            assert torch.equal(gen_view["data"].view(torch.int16), want), (rid, kind, order, fault)
-            self.tally["checked byte for byte"] += 1
+        for r in range(world):
+            if gen_said.get(r) == "ok":
+                want = _expected_gen(ctx_view["data"], gen_layout, r)
+                assert torch.equal(gen_data[r].view(torch.int16), want), (rid, kind, order, fault, r)
+                self.tally["checked byte for byte"] += 1
 
 
 async def _settled(path: str) -> None:
@@ -267,8 +297,8 @@ async def pair_soak(daemon_factory: Factory, workdir: Path, *, mapped: bool, cut
     # about the bounce path's slots, so the wait is long
     transfer = {"bounce_size_mb": 2, "chunk_mb": 1, "mapped": mapped, "deadline_s": 30.0,
                 "bounce_wait_s": 30.0, "heartbeat_interval_s": 0.5}
-    gen_pools = [*pools_for("gsame", SAME, NUM_BLOCKS, memory=memory, device=gen_device),
-                 *pools_for("gdouble", DOUBLE, NUM_BLOCKS, memory=memory, device=gen_device)]
+    gen_pools = [pool for prefix, layout in (("gsame", SAME), ("gdouble", DOUBLE), ("gtp", TP2))
+                 for pool in pools_for(prefix, layout, NUM_BLOCKS, memory=memory, device=gen_device)]
     gen_config = {"pools": gen_pools, "transfer": transfer, "log_level": "debug"}
     ctx_config = {"pools": pools_for("ctx", SAME, NUM_BLOCKS, memory=memory, device=ctx_device),
                   "transfer": transfer, "log_level": "debug"}
@@ -304,7 +334,7 @@ async def _soak(ctx: DaemonProcess, gen: DaemonProcess, proxy: Proxy | None) -> 
         before = tally["checked byte for byte"]
         with trio.fail_after(60):
             await last.one_request(kind, "none")
-        assert tally["checked byte for byte"] == before + 1
+        assert tally["checked byte for byte"] == before + KINDS[kind][2].world_size  # one per gen rank
     for d in (ctx, gen):
         await _settled(d.socket_path)
 
