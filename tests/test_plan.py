@@ -365,7 +365,9 @@ def test_incompatible_tokens_per_block() -> None:
         (
             {0: [0, 1]},
             {0: [0]},
-            r"different token counts: ctx has 2 blocks x 32 tokens = 64 token slots, gen has 1 blocks",
+            r"different token counts: ctx has 2 blocks x 32 tokens = 64 token slots, gen has 1 blocks x 32 "
+            r"tokens = 32; each rank registers the blocks of the same tokens: for ctx's 2 blocks a gen rank "
+            r"registers 2, for gen's 1 a ctx rank registers 1",
         ),
         ({0: [0], 1: [1]}, {0: [0]}, r"ctx_blocks names rank 1, outside the layout's ranks \[0, 1\)"),
         ({}, {0: [0]}, r"ctx_blocks names no rank"),

@@ -733,9 +733,14 @@ def _shape(
     tpb_c, tpb_g = ctx.tokens_per_block, gen.tokens_per_block
     tokens = min(n_ctx * tpb_c, n_gen * tpb_g)
     if -(-tokens // tpb_c) != n_ctx or -(-tokens // tpb_g) != n_gen:
+        # the fix, both ways: the caller does not know which side miscounted
+        gen_needs, ctx_needs = -(-n_ctx * tpb_c // tpb_g), -(-n_gen * tpb_g // tpb_c)
         raise BadRequest(
             f"ctx and gen hold different token counts: ctx has {n_ctx} blocks x {tpb_c} tokens = "
-            f"{n_ctx * tpb_c} token slots, gen has {n_gen} blocks x {tpb_g} tokens = {n_gen * tpb_g}"
+            f"{n_ctx * tpb_c} token slots, gen has {n_gen} blocks x {tpb_g} tokens = {n_gen * tpb_g}; "
+            f"each rank registers the blocks of the same tokens: for ctx's {n_ctx} blocks a gen rank "
+            f"registers {gen_needs}, for gen's {n_gen} a ctx rank registers {ctx_needs} (a last block "
+            "may be partly filled)"
         )
 
     # Walk the request in sub-blocks of the smaller tokens_per_block; a larger block holds k of them.
