@@ -157,7 +157,8 @@ def test_a_socket_from_the_environment_says_so_when_it_is_taken(
     config = write_config(short_tmp, "ctx", base_config(short_tmp, node="ctx", socket_path=str(short_tmp / "ctx.sock")))
     run = serve(config, env={"KVD_SOCKET": first.socket_path, "KVD_LOG_FORMAT": "json"})
     check_failure(run, exit_code=1, setting="socket_path", contains=[
-        f"kvd: error: socket_path: another kvd is already serving on {first.socket_path}; stop that daemon first",
+        f"kvd: error: socket_path: another kvd is already serving on {first.socket_path} (pid {first.pid}: "
+        f"'systemctl stop kvd' where systemd runs it, else 'kill {first.pid}'); stop that daemon first",
         f"; socket_path came from the environment (KVD_SOCKET={first.socket_path}), which overrides the "
         "configuration file: unset it to use the file's value"])
     assert not (short_tmp / "ctx.sock").exists()

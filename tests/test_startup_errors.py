@@ -180,7 +180,7 @@ def test_socket_path_busy(short_tmp: Path) -> None:
     try:
         run = serve(write_config(short_tmp, "kvd", base_config(short_tmp)))
         check_failure(run, exit_code=1, setting="socket_path",
-                      contains=[f"socket_path: another kvd is already serving on {path}",
+                      contains=[f"socket_path: another kvd is already serving on {path} (pid {os.getpid()}: ",
                                 "another socket_path (KVD_SOCKET)"])
         assert path.is_socket()  # the live socket is left alone
         assert '"pool.created"' not in run.stdout  # refused before any memory was allocated

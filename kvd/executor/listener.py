@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import trio
 
+from kvd.executor.peercred import peer_credentials
 from protocol.errors import BadRequest, KvdError
 
 
@@ -69,9 +70,23 @@ def _probe_existing(path: str) -> None:
             os.unlink(path)  # stale: nobody listens there
             return
         raise SocketInUse(f"cannot probe existing socket {path}: {exc.strerror}") from None
+    else:
+        who = _holder(probe)
     finally:
         probe.close()
-    raise SocketInUse(f"another kvd is already serving on {path}")
+    raise SocketInUse(f"another kvd is already serving on {path}{who}")
+
+
+def _holder(probe: stdsocket.socket) -> str:
+    """`` (pid N, ...)``: the process that listens where ``probe`` is connected, and how to stop
+    it ("" when the kernel cannot say: pid 0 is a process in another pid namespace)."""
+    try:
+        pid = peer_credentials(probe).pid
+    except OSError:
+        return ""
+    if pid <= 0:
+        return " (a process in another pid namespace, e.g. a container)"
+    return f" (pid {pid}: 'systemctl stop kvd' where systemd runs it, else 'kill {pid}')"
 
 
 async def open_unix_listener(path: str, mode: int = 0o660, backlog: int = 512) -> UnixListener:
