@@ -5,11 +5,12 @@ tokens per block, or gen TP2 with two gen executors), or both daemons on the sam
 path — and strike faults at random points: gen or ctx cancels, a side's executor (or one gen
 rank's) hangs up, a side (or one gen rank) never registers and the deadline expires; in the third
 case the peer link is also cut now and then (ctx dials gen through a relay in the test
-process). A request id is reused once both sides of its request ended ok.
+process), in the fourth the gen daemon is killed (SIGKILL) now and then and another started in
+its place, as systemd would. A request id is reused once both sides of its request ended ok.
 
 Every request must end on both sides with an outcome a caller can act on (ok, or one of the
-expected errors; ok on both sides when no fault struck it and no cut came while it ran), a
-completed one byte for byte, and gen's blocks must be free to free as soon
+expected errors; ok on both sides when no fault struck it and no cut or restart came while
+it ran), a completed one byte for byte, and gen's blocks must be free to free as soon
 as its wait returned. Afterwards nothing may be left on either daemon: no lease, no running
 transfer, no bounce slot; each daemon logged exactly one ``transfer.done`` or
 ``transfer.failed`` per request side it accepted, no error-level line, and a last transfer on
@@ -26,6 +27,7 @@ import os
 import random
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager, suppress
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +39,7 @@ from clients import open_client
 from clients.client import AsyncClient
 from kvd.demo.launch import DaemonProcess
 from protocol.errors import (
+    KvdError,
     NotFound,
     PeerUnavailable,
     TransferCancelled,
@@ -45,7 +48,7 @@ from protocol.errors import (
 )
 from protocol.layout import KVLayout
 from tests.tcp_proxy import Proxy
-from tests.transfer_harness import pools_for, proxied_pair
+from tests.transfer_harness import pools_for, proxied_pair, wait_for_peer
 
 Factory = Callable[..., DaemonProcess]
 SECONDS = float(os.environ.get("KVD_PAIR_SOAK_SECONDS", "30"))
@@ -98,13 +101,23 @@ def _expected_gen(src: torch.Tensor, layout: KVLayout, rank: int) -> torch.Tenso
     return pairs.reshape(n // 2, layers, kv, heads, 2 * tokens, dim)
 
 
+@dataclass
+class Live:
+    """The daemons now running: gen is replaced when the soak restarts it."""
+
+    ctx: DaemonProcess
+    gen: DaemonProcess
+
+
+#: what an executor of a gen daemon that was killed under it runs into
+GONE = (KvdError, OSError, trio.BrokenResourceError, trio.ClosedResourceError)
+
+
 class Worker:
     """One pair of executors (a ctx one and a gen one) running requests back to back."""
 
-    def __init__(self, index: int, ctx: DaemonProcess, gen: DaemonProcess, until: float,
-                 tally: collections.Counter[str]) -> None:
-        self.index, self.daemons, self.until = index, (ctx, gen), until
-        self.ctx_path, self.gen_path = ctx.socket_path, gen.socket_path
+    def __init__(self, index: int, live: Live, until: float, tally: collections.Counter[str]) -> None:
+        self.index, self.live, self.until = index, live, until
         self.tally = tally
         self.rng = random.Random(1000 + index)
         self.serial = 0
@@ -123,8 +136,8 @@ class Worker:
 
     def explain(self, rid: str) -> str:
         """This worker's last requests, and what both daemons logged about ``rid``."""
-        lines = [f"{Path(d.config_path).stem}: {line}" for d in self.daemons for line in d.log().splitlines()
-                 if f'"{rid}"' in line]
+        lines = [f"{Path(d.config_path).stem}: {line}" for d in (self.live.ctx, self.live.gen)
+                 for line in d.log().splitlines() if f'"{rid}"' in line]
         return "\n".join(["last requests (id, kind, fault, order, outcome):", *map(str, self.history[-6:]),
                           f"logged about {rid}:", *lines])
 
@@ -139,7 +152,12 @@ class Worker:
         kind = kind or self.rng.choice(sorted(KINDS))
         ctx_pool, gen_prefix, gen_layout = KINDS[kind]
         fault = fault or self.rng.choice(FAULTS)
-        cuts_before = self.tally["link cuts"]
+        cuts_before, restarts_before = self.tally["link cuts"], self.tally["gen restarts"]
+        # a gen restart under way (killed, or not linked to ctx again yet) strikes this request too
+        mid_restart = restarts_before != self.tally["gen restarts done"]
+
+        def struck_by_restart() -> bool:
+            return mid_restart or self.tally["gen restarts"] != restarts_before
         order = self.rng.choice(("gen_peer", "gen", "ctx"))
         n = 2 * self.rng.randint(1, 8)  # ctx blocks: even, so a doubled gen block is whole
         deadline = 1.0 if fault in ("ctx_never", "gen_never", "gen_rank_never") else 30.0
@@ -163,8 +181,20 @@ class Worker:
             if fault == "gen_never" or (fault == "gen_rank_never" and r == one_rank):
                 gen_attempted()  # the other side (and the other ranks) go ahead without it
                 return
+            tried = [False]
+            try:
+                await gen_rank_session(r, tried)
+            except GONE:
+                if not struck_by_restart():
+                    raise
+                gen_said[r] = "gone"  # its daemon was killed under it
+            finally:
+                if not tried[0]:
+                    gen_attempted()
+
+        async def gen_rank_session(r: int, tried: list[bool]) -> None:
             name = f"{gen_prefix}{r}"
-            async with self._session(self.gen_path, "gen") as g:
+            async with self._session(self.live.gen.socket_path, "gen") as g:
                 pool = await g.attach(name)
                 ids = await g.alloc(name, n if gen_layout.tokens_per_block == SAME.tokens_per_block else n // 2)
                 index = torch.tensor(ids, device=pool.tensor.device)
@@ -180,6 +210,7 @@ class Worker:
                     assert await g.free(name, ids) == len(ids)
                     return
                 finally:
+                    tried[0] = True
                     gen_attempted()
                 gen_accepted[0] = True
                 if fault == "gen_hangs_up" and r == one_rank:
@@ -212,7 +243,7 @@ class Worker:
             if fault == "ctx_never":
                 registered["ctx"].set()  # the other side goes ahead alone
                 return
-            async with self._session(self.ctx_path, "ctx") as c:
+            async with self._session(self.live.ctx.socket_path, "ctx") as c:
                 pool = await c.attach(ctx_pool)
                 ids = await c.alloc(ctx_pool, n)
                 data = torch.randint(-(2**15), 2**15, (n, *pool.tensor.shape[1:]), dtype=torch.int16,
@@ -259,7 +290,7 @@ class Worker:
         said = f"ctx {outcome.get('ctx', '-')}, gen {outcome.get('gen', '-')}"
         self.tally[f"{kind} {fault}: {said}"] += 1
         self.history.append((rid, kind, fault, order, said))
-        if fault == "none" and self.tally["link cuts"] == cuts_before:
+        if fault == "none" and self.tally["link cuts"] == cuts_before and not struck_by_restart():
             assert outcome == {"ctx": "ok", "gen": "ok"}, self.explain(rid)
         for r in range(world):
             if gen_said.get(r) == "ok":
@@ -283,15 +314,18 @@ async def _settled(path: str) -> None:
 
 
 @pytest.mark.soak
-@pytest.mark.parametrize(("mapped", "cuts"), [(False, False), (True, False), (False, True)],
-                         ids=["nixl", "mapped", "nixl-link-cuts"])
+@pytest.mark.parametrize(("mapped", "strike"), [(False, ""), (True, ""), (False, "cuts"), (False, "restarts")],
+                         ids=["nixl", "mapped", "nixl-link-cuts", "nixl-gen-restarts"])
 async def test_pair_soak_leaves_nothing_behind(daemon_factory: Factory, short_tmp: Path, mapped: bool,
-                                               cuts: bool) -> None:
-    await pair_soak(daemon_factory, short_tmp, mapped=mapped, cuts=cuts)
+                                               strike: str) -> None:
+    await pair_soak(daemon_factory, short_tmp, mapped=mapped, strike=strike)
 
 
-async def pair_soak(daemon_factory: Factory, workdir: Path, *, mapped: bool, cuts: bool, memory: str = "host",
+async def pair_soak(daemon_factory: Factory, workdir: Path, *, mapped: bool, strike: str = "", memory: str = "host",
                     ctx_device: int = -1, gen_device: int = -1) -> None:
+    """The soak on a fresh pair of daemons (host pools, or GPU pools with ``memory="auto"``);
+    ``strike``: "cuts" cuts the peer link now and then, "restarts" kills the gen daemon
+    (SIGKILL) now and then and starts a new one in its place."""
     """The soak on a fresh pair of daemons (host pools, or GPU pools with ``memory="auto"``)."""
     # a short bounce wait would let the fragment fallback take over now and then; this soak is
     # about the bounce path's slots, so the wait is long
@@ -299,12 +333,42 @@ async def pair_soak(daemon_factory: Factory, workdir: Path, *, mapped: bool, cut
                 "bounce_wait_s": 30.0, "heartbeat_interval_s": 0.5}
     gen_pools = [pool for prefix, layout in (("gsame", SAME), ("gdouble", DOUBLE), ("gtp", TP2))
                  for pool in pools_for(prefix, layout, NUM_BLOCKS, memory=memory, device=gen_device)]
-    gen_config = {"pools": gen_pools, "transfer": transfer, "log_level": "debug"}
+    gen_config = {"pools": gen_pools, "transfer": transfer, "log_level": "debug", "node": "gen"}
     ctx_config = {"pools": pools_for("ctx", SAME, NUM_BLOCKS, memory=memory, device=ctx_device),
                   "transfer": transfer, "log_level": "debug"}
     # ctx dials gen through a relay in this process, which cuts the link when told
     async with proxied_pair(daemon_factory, workdir, ctx_config, gen_config) as (pair, proxy):
-        await _soak(pair.ctx, pair.gen, proxy if cuts else None)
+        live = Live(pair.ctx, pair.gen)
+
+        def restart() -> None:
+            """SIGKILL gen, and start another in its place (new socket, peer port and log)."""
+            live.gen.kill()
+            live.gen = daemon_factory({**gen_config, "peer_secret_file": str(workdir / "peer.secret")},
+                                      name=f"gen{restarts.count}")
+            proxy.target_port = live.gen.peer_port  # ctx dials the relay, which now reaches it
+
+        restarts = _Restarts(live, restart)
+        await _soak(live, proxy if strike == "cuts" else None, restarts if strike == "restarts" else None)
+
+
+@dataclass
+class _Restarts:
+    live: Live
+    restart: Callable[[], None]
+    count: int = 0
+
+
+async def _restart_now_and_then(restarts: _Restarts, until: float, rng: random.Random,
+                                tally: collections.Counter[str]) -> None:
+    """Kill the gen daemon and start a new one every 1.5-3.5 s until ``until``."""
+    while trio.current_time() < until - 3.0:
+        await trio.sleep(1.5 + 2 * rng.random())
+        restarts.count += 1
+        tally["gen restarts"] += 1  # before the kill: a request that sees it knows to expect it
+        await trio.to_thread.run_sync(restarts.restart)
+        async with open_client(restarts.live.gen.socket_path, client="probe") as probe:
+            await wait_for_peer(probe, timeout=30)  # ctx dialled the new gen
+        tally["gen restarts done"] += 1
 
 
 async def _cut_now_and_then(proxy: Proxy, until: float, rng: random.Random, tally: collections.Counter[str]) -> None:
@@ -314,14 +378,20 @@ async def _cut_now_and_then(proxy: Proxy, until: float, rng: random.Random, tall
         tally["link cuts"] += proxy.cut() > 0
 
 
-async def _soak(ctx: DaemonProcess, gen: DaemonProcess, proxy: Proxy | None) -> None:
+async def _soak(live: Live, proxy: Proxy | None, restarts: _Restarts | None) -> None:
     tally: collections.Counter[str] = collections.Counter()
     until = trio.current_time() + SECONDS
     async with trio.open_nursery() as nursery:
         for i in range(WORKERS):
-            nursery.start_soon(Worker(i, ctx, gen, until, tally).run)
+            nursery.start_soon(Worker(i, live, until, tally).run)
         if proxy is not None:
             nursery.start_soon(_cut_now_and_then, proxy, until, random.Random(7), tally)
+        if restarts is not None:
+            nursery.start_soon(_restart_now_and_then, restarts, until, random.Random(8), tally)
+    ctx, gen = live.ctx, live.gen
+    if restarts is not None:  # the last gen is linked before the last requests
+        async with open_client(ctx.socket_path, client="probe") as probe:
+            await wait_for_peer(probe, timeout=30)
     print(f"\npair soak ({SECONDS:.0f}s):")
     for key, count in sorted(tally.items()):
         print(f"  {count:5d}  {key}")
@@ -329,7 +399,7 @@ async def _soak(ctx: DaemonProcess, gen: DaemonProcess, proxy: Proxy | None) -> 
     for d in (ctx, gen):
         await _settled(d.socket_path)
     # after all that, one clean request on each kind still goes through byte for byte
-    last = Worker(WORKERS, ctx, gen, 0.0, tally)
+    last = Worker(WORKERS, live, 0.0, tally)
     for kind in KINDS:
         before = tally["checked byte for byte"]
         with trio.fail_after(60):
@@ -342,6 +412,8 @@ async def _soak(ctx: DaemonProcess, gen: DaemonProcess, proxy: Proxy | None) -> 
         assert d.proc.poll() is None, f"the {role} daemon died"
         events = _events(d)
         assert events["!error"] == 0, {k: v for k, v in events.items() if k.startswith("!error")}
+        if role == "gen" and restarts is not None:
+            continue  # a killed gen logged no end for the sides it had (nor was asked to)
         # one line per request side the daemon accepted, never both: the sides whose executors
         # waited, hung up, or whose peer never came alike
         ended = events["transfer.done"] + events["transfer.failed"]

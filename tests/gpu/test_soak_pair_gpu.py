@@ -24,5 +24,5 @@ pytestmark = [
 async def test_gpu_pair_soak_leaves_nothing_behind(daemon_factory: Callable[..., DaemonProcess], short_tmp: Path,
                                                    mapped: bool) -> None:
     gen_device = 1 if cuda_gpus() >= 2 else 0  # two GPUs: the pulled launch and cross-GPU NIXL
-    await pair_soak(daemon_factory, short_tmp, mapped=mapped, cuts=False, memory="auto", ctx_device=0,
+    await pair_soak(daemon_factory, short_tmp, mapped=mapped, memory="auto", ctx_device=0,
                     gen_device=gen_device)
