@@ -56,7 +56,9 @@ async def test_unknown_peer_is_refused_at_registration(daemon_factory: Factory) 
         ids = await c.alloc("ctx0", 2)
         with pytest.raises(UnknownPeer, match="'gne'"):
             await c.publish("r1", "ctx0", ONE, 0, ids, peer="gne")
-        with pytest.raises(UnknownPeer):
+        with pytest.raises(UnknownPeer, match=r"'nowhere' is neither configured nor connected \(known peers: none; "
+                           r"this node: 'kvd'\): check the name; a peer that dials this daemon .* retry when "
+                           r"'kvctl peers' lists it, or list it in this daemon's \[\[peers\]\] too"):
             await c.expect("r1", "ctx0", ONE, 0, ids, peer="nowhere")
         assert await c.free("ctx0", ids) == 2  # nothing stayed registered
 

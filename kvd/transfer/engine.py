@@ -268,7 +268,10 @@ class Engine:
             known.update(self.links.seen)
         if peer not in known:
             raise UnknownPeer(f"peer {peer!r} is neither configured nor connected "
-                              f"(known peers: {sorted(known) or 'none'}; this node: {self.node!r})")
+                              f"(known peers: {sorted(known) or 'none'}; this node: {self.node!r}): check the "
+                              "name; a peer that dials this daemon (this node in its [[peers]]) is known once "
+                              "its link is up, which after this daemon (re)started takes its first redial: "
+                              "retry when 'kvctl peers' lists it, or list it in this daemon's [[peers]] too")
 
     def _find(self, role: f.Role, rid: str, peer: str) -> tuple[str, Transfer | None]:
         """The key a registration belongs to, and its transfer if one exists."""
