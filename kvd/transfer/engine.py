@@ -614,6 +614,11 @@ class Engine:
         self._remember(t)
 
     @staticmethod
+    def _partly_registered(t: Transfer) -> bool:
+        """Some ranks of a side here registered, not all."""
+        return any(r in t.sides and not t.sides[r].complete for r in t.machine.here)
+
+    @staticmethod
     def _late_ranks_may_come(t: Transfer) -> bool:
         """A side here ended before all its ranks registered: the missing ones may still come."""
         return not all(r in t.sides and t.sides[r].complete for r in t.machine.here)
@@ -633,6 +638,8 @@ class Engine:
         until = remember_until(t.machine.deadline, now, self.cfg.remember_ended_s)
         self._ended.push(until, t)
         limit = self.daemon.config.limits.max_ended_requests
+        if len(self._ended) > limit:  # first the entries of requests forgotten before their time
+            self._ended.keep(lambda other: self.transfers.get(other.key) is other)
         while len(self._ended) > limit:
             due, old = self._ended.pop_first()
             if self._forget(old):
@@ -758,12 +765,14 @@ class Engine:
                 await self._tell(link, x.XferFail(request_id=rid, code=code, message=message, writes_stopped=True,
                                                   sender="ctx", peer_ref=msg.ref))
         if t is not None and t.finished.is_set() and isinstance(msg, x.XferOffer | x.XferAnnounce) \
-                and _from_another(t, msg):
+                and _from_another(t, msg) and not self._partly_registered(t):
             # the peer started a new request of this id (its number differs from the one this
             # ended request heard): the peer's side of the old one ended, so no late message of
-            # it needs an answer from here, and this daemon's late ranks of it would join the new
-            # one anyway once it is forgotten. Without this, the new request got the old one's
-            # failure (a retry after a deadline failed with that deadline's message)
+            # it needs an answer from here. Without this, the new request got the old one's
+            # failure (a retry after a deadline failed with that deadline's message). Not when
+            # some ranks of the ended one registered here and others may still come: they are
+            # refused with how it ended, and the peer's retry is answered with it too. (With no
+            # rank here, a late one and one of the retry cannot be told apart: the retry wins)
             log.debug("transfer.replaced", peer=link.node, request_id=rid, type=type(msg).__name__)
             self._forget(t)
             t = None

@@ -25,6 +25,8 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
+import os
+import secrets
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -162,8 +164,17 @@ _RECEIVING_STATES = frozenset({f.State.DEST_OUT, f.State.RECEIVING})
 #: first, and its kernel ran before its path message was read here)
 _UNLANDED = frozenset({f.State.IDLE, f.State.OFFERED, f.State.SENDING})
 #: Numbers the requests of this daemon (``Transfer.ref``): each side's first message names its
-#: number, and the peer names it back in this request's notices and NIXL notifications
-_refs = itertools.count(1)
+#: number, and the peer names it back in this request's notices and NIXL notifications. From a
+#: random start: a restarted daemon (or another peer) does not repeat the numbers a peer may
+#: still remember (a retry with a repeated number would be taken for the request it retries)
+_refs: tuple[int, itertools.count[int]] | None = None  # (pid, numbers): drawn in the daemon's own process
+
+
+def _next_ref() -> int:
+    global _refs
+    if _refs is None or _refs[0] != os.getpid():  # a process forked after import draws its own start
+        _refs = (os.getpid(), itertools.count(secrets.randbits(62) + 1))
+    return next(_refs[1])
 
 
 @dataclass
@@ -267,7 +278,7 @@ class Transfer:
         #: this request among every one of this daemon, ids reused included: the peer names
         #: it in its notices, answers and NIXL notifications, so that one about an earlier
         #: request of the same id is not taken for this one's (see Engine.deliver, _on_notif)
-        self.ref = next(_refs)
+        self.ref = _next_ref()
         # the actor's inbox, the bounce path's notified chunks and the receive slots gen
         # granted (in order), each opened when first read (see LazyChannel): a request
         # handled in its callers' steps never queues, and the mapped, direct and local paths
