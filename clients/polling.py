@@ -45,7 +45,7 @@ from clients._wire import (
 from clients.blocking import Client
 from protocol import messages as m
 from protocol.codec import decode_reply, encode
-from protocol.errors import BadRequest
+from protocol.errors import BadRequest, ConnectionClosed
 from protocol.layout import KVLayout
 
 #: Errors of a wait that are not the request's outcome: the request goes on, so the watch is
@@ -75,6 +75,8 @@ class PollingClient(Client):
         self._finished: list[m.Completion] = []
         self._again: list[int] = []  # wait ids to send again (see _WAIT_AGAIN)
         self._cancels: set[int] = set()  # ids of cancel_nowait's Cancel, whose replies are dropped
+        # the connection ended (what get_finished raises once it returned what came before)
+        self._lost: ConnectionClosed | None = None
         super().__init__(path, client=client, timeout=timeout, completion_page=completion_page)
 
     def __enter__(self) -> PollingClient:
@@ -147,19 +149,24 @@ class PollingClient(Client):
         """The completions of watched requests that the daemon has sent, without blocking (none
         yet: ``[]``). Each watched request comes exactly once, ``ok`` or not; either way its
         blocks are no longer read or written by kvd. Raises ``ConnectionClosed`` if the daemon
-        went away (its leases and requests went with it).
+        went away (its leases and requests went with it) and nothing it sent before is left to
+        return: a stopping daemon answers watched requests (``daemon_stopping``) before it
+        closes the session, and those answers come first, even when read with the close.
 
         With the completion page, the watched requests whose tokens it holds come first, read
         there without a syscall; then every reply the socket holds."""
         with self._lock:
             self._from_page()
-            self._read_available()
+            if self._lost is None:
+                self._read_available()
             while self._ready:
                 reply, fds = self._ready.pop(0)
                 if not self._route(reply):
                     for fd in fds:
                         os.close(fd)
-            if self._again:
+            if self._lost is not None and not self._finished:
+                raise self._lost
+            if self._again and self._lost is None:
                 again, self._again = self._again, []
                 self._send(b"".join(encode(m.Wait(id=i, request_id=self._watches.get(i) or self._paged[i]))
                                     for i in again))
@@ -193,7 +200,9 @@ class PollingClient(Client):
             self._page.forget(request_id)
 
     def _read_available(self) -> None:
-        """Move every frame the socket holds now into ``_ready``, without blocking."""
+        """Move every frame the socket holds now into ``_ready``, without blocking; the end of
+        the connection is noted in ``_lost`` (raised once what came before it was returned:
+        before, the completions read together with the close were lost with it)."""
         # a socket with a timeout polls for it before recvmsg, whatever the flags: none here
         blocking = self._timeout is not None
         if blocking:
@@ -205,11 +214,13 @@ class PollingClient(Client):
                 except BlockingIOError:
                     return
                 except OSError as exc:
-                    raise connection_lost(f"connection to the daemon broke: {exc}", closed=self._closed) from None
+                    self._lost = connection_lost(f"connection to the daemon broke: {exc}", closed=self._closed)
+                    return
                 for fd in fds_from_ancillary(anc):  # no reply to a watch carries fds
                     os.close(fd)
                 if not data:
-                    raise connection_lost("the daemon closed the connection")
+                    self._lost = connection_lost("the daemon closed the connection")
+                    return
                 for payload in self._frames.feed(data):
                     self._ready.append((decode_reply(payload), []))
         finally:
