@@ -549,13 +549,17 @@ class Worker:
 async def _settled(path: str) -> None:
     """Until the daemon has nothing left: no lease, no running transfer, no bounce slot."""
     async with open_client(path, client="check") as c:
-        with trio.fail_after(30):
-            while True:
-                st = await c.stats()
-                if st.blocks_leased == 0 and st.transfers_active == 0 and st.bounce_chunks_in_use == 0 \
-                        and st.sessions == 1:
-                    break
-                await trio.sleep(0.05)  # polling the daemon's counters; the condition is the sync point
+        st = await c.stats()
+        try:
+            with trio.fail_after(45):  # beyond the requests' 30 s deadline: a stuck one has ended
+                while not (st.blocks_leased == 0 and st.transfers_active == 0 and st.bounce_chunks_in_use == 0
+                           and st.sessions == 1):
+                    await trio.sleep(0.05)  # polling the daemon's counters; the condition is the sync point
+                    st = await c.stats()
+        except trio.TooSlowError:
+            raise AssertionError(f"{path}: still held after 45 s: {st.blocks_leased} blocks leased, "
+                                 f"{st.transfers_active} transfers active, {st.bounce_chunks_in_use} bounce "
+                                 f"chunks in use, {st.sessions} sessions; transfers: {await c.transfers()}") from None
         assert all(p.blocks_used == 0 and p.blocks_free == p.num_blocks for p in st.pools), st.pools
         assert all(t.state in ("done", "failed") for t in await c.transfers())
 

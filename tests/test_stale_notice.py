@@ -8,8 +8,9 @@ publishes R again, a new request, before ctx has read gen's old notice.
 
 Before the fix ctx took that notice for the new request and failed it ("gen side failed: ...
 cancelled by client"), although nothing was wrong with it. The notice now names ctx's number
-for the request it is about (``XferFail.peer_ref``), and ctx drops a notice naming another of
-its requests (``transfer.stale_notice``). The new request then completes, byte-exact.
+for the request it is about (``XferFail.peer_ref``); ctx answers a notice naming another of
+its requests as one about a request it no longer knows (gen waits for that word), and leaves
+the new request alone. The new request then completes, byte-exact.
 
 The same numbers go in every NIXL notification (a write's to gen, a credit to ctx): a late
 one of an earlier request of the id is dropped, not taken for the new request's; the bounce

@@ -734,17 +734,21 @@ class Engine:
         """Route one transfer-control message from ``link`` into its transfer's inbox."""
         rid = msg.request_id
         t = self.transfers.get((link.node, rid))
-        if t is not None and isinstance(msg, x.XferFail) and msg.sender == "gen" and _from_another(t, msg):
-            t = None  # gen's notice about another request of its than the one t heard: answered below
+        if t is not None and isinstance(msg, x.XferFail) and msg.sender == "gen" \
+                and (_from_another(t, msg) or (msg.peer_ref and msg.peer_ref != t.ref)):
+            # gen's notice about another request than t: another of gen's than the one t heard,
+            # or about an earlier request of ours of this id, which ended here (its writes with
+            # it). gen waits for our word that no write can land: answered below, as for a
+            # request we no longer know. (Dropped, it left gen aborting for good: a link cut
+            # lost the first notice, and ctx's executor registered the id again before the
+            # notice came on the next link)
+            t = None
         if isinstance(msg, x.XferFail) and _stale_notice(t, msg):
-            # the peer's failure notice, or ctx's answer to ours, about an earlier request of
-            # this id, which ended here (e.g. gen's cancel crossed ctx's data-done message, and
-            # an executor registered the id again before the notice was read): it names that
-            # request's number. (gen's notice for a request ctx no longer knows is answered below)
-            if msg.sender == "gen":  # (literal event names: docs/events.md is checked against them)
-                log.debug("transfer.stale_notice", peer=link.node, request_id=rid, code=msg.code)
-            else:
-                log.debug("transfer.stale_answer", peer=link.node, request_id=rid, code=msg.code)
+            # ctx's failure notice, or its answer to ours, about an earlier request of this id,
+            # which ended here (e.g. gen's cancel crossed ctx's data-done message, and an
+            # executor registered the id again before the answer was read): it names that
+            # request's number. (gen's notices are answered, never dropped: see above)
+            log.debug("transfer.stale_answer", peer=link.node, request_id=rid, code=msg.code)
             return
         ctx_unheard = isinstance(msg, x.XferFail) and msg.sender == "ctx" and msg.deadline_s > 0
         if t is None and (ctx_unheard or isinstance(msg, x.XferOffer | x.XferPath)):
@@ -904,11 +908,11 @@ def _stale_notice(t: Transfer | None, msg: x.XferFail) -> bool:
     another number of ours (``peer_ref``), or (ctx's) it comes from another of ctx's requests
     than the one ``t`` heard. gen's notices are never dropped: gen waits for the answer. A
     notice naming no number is matched by its id alone."""
+    if msg.sender == "gen":
+        return False
     if t is None:
-        return bool(msg.peer_ref) and msg.sender == "ctx"
-    if msg.peer_ref and msg.peer_ref != t.ref:
-        return True
-    return msg.sender == "ctx" and _from_another(t, msg)
+        return bool(msg.peer_ref)
+    return bool(msg.peer_ref and msg.peer_ref != t.ref) or _from_another(t, msg)
 
 
 def remember_until(deadline: float, now: float, at_least_s: float) -> float:
