@@ -734,22 +734,21 @@ class Engine:
         """Route one transfer-control message from ``link`` into its transfer's inbox."""
         rid = msg.request_id
         t = self.transfers.get((link.node, rid))
-        if t is not None and isinstance(msg, x.XferFail) and msg.sender == "gen" \
-                and (_from_another(t, msg) or (msg.peer_ref and msg.peer_ref != t.ref)):
-            # gen's notice about another request than t: another of gen's than the one t heard,
-            # or about an earlier request of ours of this id, which ended here (its writes with
-            # it). gen waits for our word that no write can land: answered below, as for a
-            # request we no longer know. (Dropped, it left gen aborting for good: a link cut
-            # lost the first notice, and ctx's executor registered the id again before the
-            # notice came on the next link)
-            t = None
-        if isinstance(msg, x.XferFail) and _stale_notice(t, msg):
-            # ctx's failure notice, or its answer to ours, about an earlier request of this id,
-            # which ended here (e.g. gen's cancel crossed ctx's data-done message, and an
-            # executor registered the id again before the answer was read): it names that
-            # request's number. (gen's notices are answered, never dropped: see above)
-            log.debug("transfer.stale_answer", peer=link.node, request_id=rid, code=msg.code)
-            return
+        if isinstance(msg, x.XferFail) and (t is None or _about_another(t, msg)):
+            if msg.sender == "gen":
+                # gen's notice about no request here, or another than t (another of gen's than
+                # the one t heard, or an earlier one of ours of this id, which ended here with its
+                # writes): gen waits for our word that no write can land, so it is answered below,
+                # as for a request we no longer know. (Dropped, it left gen aborting for good: a
+                # link cut lost the first notice, and ctx's executor registered the id again
+                # before the notice came on the next link)
+                t = None
+            elif t is not None or msg.peer_ref:
+                # ctx's failure notice, or its answer to ours, about an earlier request of this
+                # id, which ended here (e.g. gen's cancel crossed ctx's data-done message, and an
+                # executor registered the id again before the answer was read)
+                log.debug("transfer.stale_answer", peer=link.node, request_id=rid, code=msg.code)
+                return
         ctx_unheard = isinstance(msg, x.XferFail) and msg.sender == "ctx" and msg.deadline_s > 0
         if t is None and (ctx_unheard or isinstance(msg, x.XferOffer | x.XferPath)):
             # a gen side that ended here without naming its peer (remembered until its deadline)
@@ -902,16 +901,10 @@ def _from_another(t: Transfer, msg: x.XferFail | x.XferOffer | x.XferAnnounce) -
     return bool(msg.ref and t.remote.ref and msg.ref != t.remote.ref)
 
 
-def _stale_notice(t: Transfer | None, msg: x.XferFail) -> bool:
-    """Whether the peer's failure notice ``msg`` is about another request of its id than ``t``
-    (this daemon's request of that id from that peer, None: none) and is dropped: it names
-    another number of ours (``peer_ref``), or (ctx's) it comes from another of ctx's requests
-    than the one ``t`` heard. gen's notices are never dropped: gen waits for the answer. A
-    notice naming no number is matched by its id alone."""
-    if msg.sender == "gen":
-        return False
-    if t is None:
-        return bool(msg.peer_ref)
+def _about_another(t: Transfer, msg: x.XferFail) -> bool:
+    """Whether the peer's failure notice ``msg`` is about another request of its id than ``t``:
+    it names another number of ours (``peer_ref``), or comes from another of the peer's
+    requests than the one ``t`` heard. A notice naming no number is matched by its id alone."""
     return bool(msg.peer_ref and msg.peer_ref != t.ref) or _from_another(t, msg)
 
 

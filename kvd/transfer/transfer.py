@@ -167,14 +167,16 @@ _UNLANDED = frozenset({f.State.IDLE, f.State.OFFERED, f.State.SENDING})
 #: number, and the peer names it back in this request's notices and NIXL notifications. From a
 #: random start: a restarted daemon (or another peer) does not repeat the numbers a peer may
 #: still remember (a retry with a repeated number would be taken for the request it retries)
-_refs: tuple[int, itertools.count[int]] | None = None  # (pid, numbers): drawn in the daemon's own process
+_refs = itertools.count(secrets.randbits(62) + 1)
 
 
-def _next_ref() -> int:
+def _draw_refs() -> None:
+    """A process forked after import draws its own start (no per-request check of the pid)."""
     global _refs
-    if _refs is None or _refs[0] != os.getpid():  # a process forked after import draws its own start
-        _refs = (os.getpid(), itertools.count(secrets.randbits(62) + 1))
-    return next(_refs[1])
+    _refs = itertools.count(secrets.randbits(62) + 1)
+
+
+os.register_at_fork(after_in_child=_draw_refs)
 
 
 @dataclass
@@ -278,7 +280,7 @@ class Transfer:
         #: this request among every one of this daemon, ids reused included: the peer names
         #: it in its notices, answers and NIXL notifications, so that one about an earlier
         #: request of the same id is not taken for this one's (see Engine.deliver, _on_notif)
-        self.ref = _next_ref()
+        self.ref = next(_refs)
         # the actor's inbox, the bounce path's notified chunks and the receive slots gen
         # granted (in order), each opened when first read (see LazyChannel): a request
         # handled in its callers' steps never queues, and the mapped, direct and local paths
